@@ -1,0 +1,678 @@
+"""HTTP surface of the simulator: SGLang's paths, fields and response shapes.
+
+The adapter, the gateway's streaming relay and the metering of usage are tested against this
+server, so it answers exactly where SGLang 0.5 does (``/v1/chat/completions``,
+``/v1/completions``, ``/generate``, health, info, cache and abort endpoints, ``/metrics``)
+with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
+``/sim/faults`` (change fault injection at run time) and ``/sim/stats`` (counters).
+
+Known differences from SGLang, on purpose: the cache report is always on (as with
+``--enable-cache-report``), ``n`` must be 1, and batch inputs are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from engine_adapter.sim.config import Faults, SimConfig
+from engine_adapter.sim.engine import Engine, SimRequest
+from engine_adapter.sim.metrics import render_metrics
+from engine_adapter.sim.tokenizer import TemplateError, encode, render_chat
+
+SIM_VERSION = "0.5.0-tollgate-sim"
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ApiError(Exception):
+    """An error answered in SGLang's OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+class _ConnectionCut(Exception):
+    """Raised after the response started so uvicorn drops the connection (fault injection)."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Return SGLang's error JSON (``ErrorResponse``) for a status and message."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": _ERROR_TYPES.get(status, "BadRequestError"),
+        "param": param,
+        "code": status,
+    }
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+# --- request parsing --------------------------------------------------------------------------
+
+
+def _opt_int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be an integer", name)
+    if minimum is not None and value < minimum:
+        raise ApiError(400, f"{name} must be at least {minimum}", name)
+    return value
+
+
+def _opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    return value
+
+
+def _stop_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise ApiError(400, "stop must be a string or a list of strings", "stop")
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ApiError(400, f"{name} must be a list of non-negative integers", name)
+    return list(value)
+
+
+class SimServer:
+    """Request handlers bound to one :class:`Engine`."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+
+    # --- shared plumbing ----------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.config.served_model_name
+        if model not in {self.config.served_model_name, self.config.model_path}:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        return self.config.served_model_name
+
+    def _check_n(self, body: dict[str, Any]) -> None:
+        n = _opt_int(body, "n", minimum=1)
+        if n not in (None, 1):
+            raise ApiError(400, "The simulator supports n=1 only", "n")
+
+    def _make_request(
+        self,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        *,
+        rid_prefix: str,
+        max_new_tokens: int | None,
+        sampling: dict[str, Any],
+    ) -> SimRequest:
+        if not prompt_ids:
+            raise ApiError(400, "The prompt is empty")
+        context = self.config.context_length
+        if len(prompt_ids) >= context:
+            raise ApiError(
+                400,
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context "
+                f"length ({context} tokens).",
+            )
+        if max_new_tokens is not None and len(prompt_ids) + max_new_tokens > context:
+            raise ApiError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{context} tokens. You requested a total of {len(prompt_ids) + max_new_tokens} "
+                f"tokens: {len(prompt_ids)} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion.",
+            )
+        priority = _opt_int(body, "priority")
+        cache_salt = _opt_str(body, "cache_salt")
+        extra_key = _opt_str(body, "extra_key")
+        rid = _opt_str(body, "rid") or f"{rid_prefix}{uuid.uuid4().hex}"
+        stop_ids = sampling.get("stop_token_ids")
+        ignore_eos = sampling.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, "ignore_eos must be a boolean", "ignore_eos")
+        return SimRequest(
+            rid=rid,
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            stop=_stop_list(sampling.get("stop")),
+            stop_token_ids=frozenset(_token_ids(stop_ids, "stop_token_ids") if stop_ids else ()),
+            ignore_eos=ignore_eos,
+            priority=priority or 0,
+            namespace=None if cache_salt is None and extra_key is None else (cache_salt, extra_key),
+            request_seed=_opt_int(sampling, "seed"),
+        )
+
+    async def _before_output(self) -> Response | None:
+        """Apply request-level faults; return the error response to send, if any."""
+        if self.engine.count_request():
+            return _error_response(500, "Simulated engine fault (error_rate)")
+        if self.engine.faults.stall_s > 0:
+            await asyncio.sleep(self.engine.faults.stall_s)
+        return None
+
+    # --- OpenAI-compatible endpoints ----------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        body = await self._body(request)
+        model = self._check_model(body)
+        self._check_n(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise ApiError(400, "messages must be a list", "messages")
+        try:
+            prompt_ids = encode(render_chat(messages))
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        max_tokens = _opt_int(body, "max_completion_tokens", minimum=0)
+        if max_tokens is None:
+            max_tokens = _opt_int(body, "max_tokens", minimum=0)
+        req = self._make_request(
+            body, prompt_ids, rid_prefix="chatcmpl-", max_new_tokens=max_tokens, sampling=body
+        )
+        return await self._openai_response(request, body, req, model, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        body = await self._body(request)
+        model = self._check_model(body)
+        self._check_n(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one is the only batch the simulator takes
+        if isinstance(prompt, str):
+            prompt_ids = encode(prompt)
+        elif isinstance(prompt, list):
+            prompt_ids = _token_ids(prompt, "prompt")
+        else:
+            raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
+        max_tokens = _opt_int(body, "max_tokens", minimum=0)
+        if max_tokens is None and "max_tokens" not in body:
+            max_tokens = 16  # OpenAI's default for legacy completions
+        req = self._make_request(
+            body, prompt_ids, rid_prefix="cmpl-", max_new_tokens=max_tokens, sampling=body
+        )
+        return await self._openai_response(request, body, req, model, chat=False)
+
+    async def _openai_response(
+        self, request: Request, body: dict[str, Any], req: SimRequest, model: str, *, chat: bool
+    ) -> Response:
+        stream = bool(body.get("stream", False))
+        options = body.get("stream_options") or {}
+        include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        failed = await self._before_output()
+        if failed is not None:
+            return failed
+        created = int(time.time())
+        renderer = _OpenAIRenderer(req, model=model, created=created, chat=chat)
+        return _EngineCall(
+            self.engine,
+            req,
+            full=renderer.full,
+            stream_chunks=renderer.chunks if stream else None,
+            include_usage=include_usage,
+        )
+
+    # --- native endpoint ------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        """POST /generate (SGLang native)."""
+        body = await self._body(request)
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list) or (input_ids and isinstance(input_ids[0], list)):
+            raise ApiError(400, "Batch requests are not supported by the simulator")
+        if isinstance(text, str):
+            prompt_ids = encode(text)
+        elif input_ids is not None:
+            prompt_ids = _token_ids(input_ids, "input_ids")
+        else:
+            raise ApiError(400, "Either text or input_ids should be provided.")
+        sampling = body.get("sampling_params") or {}
+        if not isinstance(sampling, dict):
+            raise ApiError(400, "sampling_params must be an object", "sampling_params")
+        max_new = _opt_int(sampling, "max_new_tokens", minimum=0)
+        if max_new is None and "max_new_tokens" not in sampling:
+            max_new = 128  # SGLang's default
+        req = self._make_request(
+            body, prompt_ids, rid_prefix="", max_new_tokens=max_new, sampling=sampling
+        )
+        failed = await self._before_output()
+        if failed is not None:
+            return failed
+        renderer = _NativeRenderer(req)
+        return _EngineCall(
+            self.engine,
+            req,
+            full=renderer.full,
+            stream_chunks=renderer.chunks if body.get("stream") else None,
+        )
+
+    # --- health, info, control ------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """GET /health: the process is up."""
+        return Response(status_code=200)
+
+    async def health_generate(self, request: Request) -> Response:
+        """GET /health_generate: one real 1-token generation through the scheduler."""
+        if self.engine.faults.error_rate and self.engine._fault_rng.random() < (
+            self.engine.faults.error_rate
+        ):
+            return Response(status_code=503)
+        if self.engine.faults.stall_s > 0:
+            await asyncio.sleep(self.engine.faults.stall_s)
+        req = SimRequest(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            prompt_ids=encode("ping"),
+            max_new_tokens=1,
+            priority=2**31 - 1,
+        )
+        async for _ in self.engine.generate(req):
+            pass
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models."""
+        return JSONResponse({
+            "object": "list",
+            "data": [{
+                "id": self.config.served_model_name,
+                "object": "model",
+                "created": int(self.engine.started_at),
+                "owned_by": "sglang",
+                "root": self.config.model_path,
+                "parent": None,
+                "max_model_len": self.config.context_length,
+            }],
+        })  # fmt: skip
+
+    async def model_info(self, request: Request) -> Response:
+        """GET /get_model_info."""
+        return JSONResponse({
+            "model_path": self.config.model_path,
+            "tokenizer_path": self.config.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "simulated",
+            "architectures": ["SimulatedForCausalLM"],
+        })  # fmt: skip
+
+    async def server_info(self, request: Request) -> Response:
+        """GET /get_server_info: server args, internal state, and that this is a simulator."""
+        c = self.config
+        return JSONResponse({
+            "simulated": True,
+            "version": SIM_VERSION,
+            "model_path": c.model_path,
+            "served_model_name": c.served_model_name,
+            "host": c.host,
+            "port": c.port,
+            "max_running_requests": c.max_running_requests,
+            "max_total_tokens": c.max_total_tokens,
+            "context_length": c.context_length,
+            "random_seed": c.seed,
+            "enable_cache_report": True,
+            "enable_metrics": True,
+            "enable_priority_scheduling": True,
+            "schedule_low_priority_values_first": c.low_priority_values_first,
+            "prefill_tokens_per_s": c.prefill_tokens_per_s,
+            "decode_tokens_per_s": c.decode_tokens_per_s,
+            "internal_states": [{
+                "max_total_num_tokens": c.max_total_tokens,
+                "max_running_requests": c.max_running_requests,
+                "last_gen_throughput": c.decode_tokens_per_s,
+            }],
+        })  # fmt: skip
+
+    async def flush_cache(self, request: Request) -> Response:
+        """POST /flush_cache: drop the prefix cache when idle, as SGLang does."""
+        if self.engine.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse(
+            "Cache not flushed: there are running or waiting requests.\n", status_code=400
+        )
+
+    async def abort_request(self, request: Request) -> Response:
+        """POST /abort_request {"rid": ..., "abort_all": false}."""
+        body = await self._body(request)
+        self.engine.abort(_opt_str(body, "rid"), abort_all=bool(body.get("abort_all")))
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        """GET /metrics in Prometheus text format."""
+        return PlainTextResponse(
+            render_metrics(self.engine), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def faults(self, request: Request) -> Response:
+        """GET or POST /sim/faults: read or change fault injection."""
+        if request.method == "POST":
+            body = await self._body(request)
+            allowed = set(Faults.__dataclass_fields__)
+            unknown = set(body) - allowed
+            if unknown:
+                raise ApiError(400, f"Unknown fault settings: {sorted(unknown)}")
+            for name in ("crash_after", "fail_after_tokens"):
+                _opt_int(body, name, minimum=1)
+            for name in ("error_rate", "stall_s"):
+                value = body.get(name, 0)
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise ApiError(400, f"{name} must be a non-negative number", name)
+            self.engine.set_faults(body)
+        faults = self.engine.faults
+        return JSONResponse({name: getattr(faults, name) for name in Faults.__dataclass_fields__})
+
+    async def stats(self, request: Request) -> Response:
+        """GET /sim/stats: counters for tests."""
+        engine, stats = self.engine, self.engine.stats
+        return JSONResponse({
+            "requests": stats.requests,
+            "completed": stats.completed,
+            "aborted": stats.aborted,
+            "errors_injected": stats.errors_injected,
+            "cache_hit_requests": stats.cache_hit_requests,
+            "cached_tokens": stats.cached_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "running": len(engine.running),
+            "queued": engine.num_waiting,
+            "start_order": stats.start_order,
+            "cache": {
+                "capacity": engine.config.max_total_tokens,
+                "tree_tokens": engine.cache.tree_tokens,
+                "evictable_tokens": engine.cache.evictable_tokens,
+                "private_tokens": engine.private_tokens,
+                "evicted_tokens": engine.cache.evicted_tokens,
+                "namespaces": engine.cache.namespaces,
+            },
+        })  # fmt: skip
+
+
+# --- response rendering -------------------------------------------------------------------------
+
+
+def _usage(req: SimRequest) -> dict[str, Any]:
+    prompt, completion = len(req.prompt_ids), len(req.output_ids)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        # SGLang leaves the details out (null) when nothing was cached.
+        "prompt_tokens_details": (
+            {"cached_tokens": req.cached_tokens} if req.cached_tokens else None
+        ),
+        "reasoning_tokens": 0,
+    }
+
+
+def _finish(req: SimRequest) -> tuple[str | None, Any]:
+    reason = req.finish_reason or {"type": "abort"}
+    return reason["type"], reason.get("matched")
+
+
+class _OpenAIRenderer:
+    """Chat and legacy completion bodies and chunks, as SGLang's serving_chat/completions."""
+
+    def __init__(self, req: SimRequest, *, model: str, created: int, chat: bool) -> None:
+        self.req = req
+        self.base = {
+            "id": req.rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self.chat = chat
+        self.sent_role = False
+
+    def _choice(self, text: str | None, finish: str | None, matched: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self.sent_role:
+                delta["role"] = "assistant"
+                self.sent_role = True
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice.update(logprobs=None, finish_reason=finish, matched_stop=matched)
+        return choice
+
+    def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
+        """Return the SSE frames for a token (``event="token"``) or the end (``"end"``)."""
+        if event == "token":
+            return [_sse({**self.base, "choices": [self._choice(text, None, None)], "usage": None})]
+        finish, matched = _finish(self.req)
+        frames = [
+            _sse({**self.base, "choices": [self._choice(None, finish, matched)], "usage": None})
+        ]
+        if include_usage:
+            frames.append(_sse({**self.base, "choices": [], "usage": _usage(self.req)}))
+        frames.append(_sse("[DONE]"))
+        return frames
+
+    def full(self) -> dict[str, Any]:
+        """Return the non-streaming body."""
+        finish, matched = _finish(self.req)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": self.req.text,
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+        else:
+            choice["text"] = self.req.text
+        choice.update(logprobs=None, finish_reason=finish, matched_stop=matched)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {
+            **self.base,
+            "object": obj,
+            "choices": [choice],
+            "usage": _usage(self.req),
+            "metadata": {"weight_version": "default"},
+        }
+
+
+class _NativeRenderer:
+    """``/generate`` bodies: cumulative ``text`` plus ``meta_info``, as SGLang streams them."""
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+
+    def _body(self, finished: bool) -> dict[str, Any]:
+        req = self.req
+        return {
+            "text": req.text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": (req.finish_reason or {"type": "abort"}) if finished else None,
+                "prompt_tokens": len(req.prompt_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+                "e2e_latency": req.e2e_latency,
+                "weight_version": "default",
+            },
+        }
+
+    def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
+        """Return SSE frames for a token or the end of the stream."""
+        if event == "token":
+            return [_sse(self._body(False))]
+        return [_sse(self._body(True)), _sse("[DONE]")]
+
+    def full(self) -> dict[str, Any]:
+        """Return the non-streaming body."""
+        return self._body(True)
+
+
+class _EngineCall:
+    """ASGI response that runs one request, aborting it when the client goes away."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        req: SimRequest,
+        *,
+        full: Callable[[], dict[str, Any]],
+        stream_chunks: Callable[..., list[bytes]] | None,
+        include_usage: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.req = req
+        self.full = full
+        self.stream_chunks = stream_chunks
+        self.include_usage = include_usage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._run(send))
+        watch = asyncio.create_task(self._watch_disconnect(receive))
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            # The client went away: cancelling closes the engine iterator, which frees the slot.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await work
+            return
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        with contextlib.suppress(OSError):  # the client left while the last bytes went out
+            work.result()
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _run(self, send: Send) -> None:
+        fail_after = self.engine.faults.fail_after_tokens
+        tokens = 0
+        events = self.engine.generate(self.req)
+        try:
+            if self.stream_chunks is None:
+                async for _ in events:
+                    tokens += 1
+                    if fail_after is not None and tokens >= fail_after:
+                        break
+                body = json.dumps(self.full(), separators=(",", ":")).encode()
+                cut = fail_after is not None and tokens >= fail_after
+                await send({
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())],
+                })  # fmt: skip
+                if cut:
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": body[: len(body) // 2],
+                            "more_body": True,
+                        }
+                    )
+                    raise _ConnectionCut(f"fail_after_tokens={fail_after}")
+                await send({"type": "http.response.body", "body": body})
+                return
+            await send({
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")],
+            })  # fmt: skip
+            async for piece in events:
+                for frame in self.stream_chunks("token", piece):
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                tokens += 1
+                if fail_after is not None and tokens >= fail_after:
+                    raise _ConnectionCut(f"fail_after_tokens={fail_after}")
+            frames = self.stream_chunks("end", include_usage=self.include_usage)
+            await send({"type": "http.response.body", "body": b"".join(frames)})
+        finally:
+            await events.aclose()
+
+
+def _route_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc.status, exc.message, exc.param)
+
+    return wrapped
+
+
+def create_app(config: SimConfig) -> Starlette:
+    """Build the simulator's ASGI application."""
+    server = SimServer(config)
+    routes = [
+        Route("/v1/chat/completions", _route_errors(server.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _route_errors(server.completions), methods=["POST"]),
+        Route("/generate", _route_errors(server.generate), methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/health_generate", server.health_generate, methods=["GET"]),
+        Route("/get_model_info", server.model_info, methods=["GET"]),
+        Route("/get_server_info", server.server_info, methods=["GET"]),
+        Route("/server_info", server.server_info, methods=["GET"]),
+        Route("/flush_cache", server.flush_cache, methods=["GET", "POST"]),
+        Route("/abort_request", _route_errors(server.abort_request), methods=["POST"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/sim/faults", _route_errors(server.faults), methods=["GET", "POST"]),
+        Route("/sim/stats", server.stats, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.sim = server
+    return app

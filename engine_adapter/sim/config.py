@@ -1,0 +1,105 @@
+"""Command line of the simulator, shaped like ``python -m sglang.launch_server``.
+
+The fleet manager builds one launch line per engine; keeping the flag names SGLang uses (and
+accepting the SGLang flags that change nothing here) lets a pool switch between ``sglang`` and
+``sim`` by changing only the module name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Faults:
+    """Fault injection settings; changeable at run time through ``POST /sim/faults``."""
+
+    error_rate: float = 0.0
+    stall_s: float = 0.0
+    crash_after: int | None = None
+    fail_after_tokens: int | None = None
+
+
+@dataclass
+class SimConfig:
+    """Everything the simulated engine needs to know at start."""
+
+    served_model_name: str = "sim-model"
+    model_path: str = "tollgate/sim-model"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_running_requests: int = 64
+    max_total_tokens: int = 200_000
+    context_length: int = 32_768
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 100.0
+    seed: int = 0
+    low_priority_values_first: bool = False
+    log_level: str = "warning"
+    faults: Faults | None = None
+
+    def __post_init__(self) -> None:
+        if self.faults is None:
+            self.faults = Faults()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser for ``python -m engine_adapter.sim``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_adapter.sim",
+        description="Simulated SGLang engine for tests and benchmarks (not a product engine).",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--model-path", "--model", default="tollgate/sim-model")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=200_000)
+    parser.add_argument("--context-length", type=int, default=32_768)
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
+    parser.add_argument("--decode-tokens-per-s", type=float, default=100.0)
+    parser.add_argument("--seed", "--random-seed", type=int, default=0)
+    parser.add_argument("--error-rate", type=float, default=0.0)
+    parser.add_argument("--stall-s", type=float, default=0.0)
+    parser.add_argument("--crash-after", type=int, default=None)
+    parser.add_argument("--fail-after-tokens", type=int, default=None)
+    parser.add_argument("--schedule-low-priority-values-first", action="store_true")
+    parser.add_argument("--log-level", default="warning")
+    # SGLang flags that the launch line carries and that change nothing in the simulator: the
+    # cache report, metrics and priority scheduling are always on here.
+    for flag in ("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling"):
+        parser.add_argument(flag, action="store_true")
+    for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device"):
+        parser.add_argument(flag, default=None)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
+    """Parse a launch line into a :class:`SimConfig`."""
+    args = build_parser().parse_args(argv)
+    if args.max_running_requests < 1:
+        raise SystemExit("--max-running-requests must be at least 1")
+    if args.prefill_tokens_per_s <= 0 or args.decode_tokens_per_s <= 0:
+        raise SystemExit("token rates must be positive")
+    return SimConfig(
+        served_model_name=args.served_model_name or args.model_path,
+        model_path=args.model_path,
+        host=args.host,
+        port=args.port,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.context_length,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        seed=args.seed,
+        low_priority_values_first=args.schedule_low_priority_values_first,
+        log_level=args.log_level,
+        faults=Faults(
+            error_rate=args.error_rate,
+            stall_s=args.stall_s,
+            crash_after=args.crash_after,
+            fail_after_tokens=args.fail_after_tokens,
+        ),
+    )

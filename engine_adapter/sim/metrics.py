@@ -1,0 +1,109 @@
+"""Prometheus text exposition of the simulator, with SGLang's metric names and labels.
+
+The fleet manager scrapes ``/metrics`` of real SGLang engines to feed the router (running and
+queued requests, token usage); the simulator publishes the same names with the same
+``model_name`` label so one scraper serves both. Written by hand to keep the simulator's
+dependencies to starlette and uvicorn.
+"""
+
+from __future__ import annotations
+
+from engine_adapter.sim.engine import Engine, Histogram
+
+
+def _labels(model: str, extra: str = "") -> str:
+    escaped = model.replace("\\", "\\\\").replace('"', '\\"')
+    return "{" + extra + f'model_name="{escaped}"' + "}"
+
+
+def _histogram(lines: list[str], name: str, doc: str, hist: Histogram, model: str) -> None:
+    lines.append(f"# HELP {name} {doc}")
+    lines.append(f"# TYPE {name} histogram")
+    lines.append(f"{name}_sum{_labels(model)} {hist.total}")
+    for bound, count in zip(hist.buckets, hist.counts, strict=True):
+        labels = _labels(model, 'le="' + str(bound) + '",')
+        lines.append(f"{name}_bucket{labels} {float(count)}")
+    labels = _labels(model, 'le="+Inf",')
+    lines.append(f"{name}_bucket{labels} {float(hist.count)}")
+    lines.append(f"{name}_count{_labels(model)} {float(hist.count)}")
+
+
+def render_metrics(engine: Engine) -> str:
+    """Return the Prometheus text for the engine's current state."""
+    model = engine.config.served_model_name
+    stats = engine.stats
+    hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+    lines: list[str] = []
+
+    def sample(name: str, kind: str, doc: str, value: float) -> None:
+        lines.append(f"# HELP {name} {doc}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name}{_labels(model)} {float(value)}")
+
+    sample(
+        "sglang:num_running_reqs", "gauge", "The number of running requests.", len(engine.running)
+    )
+    sample(
+        "sglang:num_queue_reqs",
+        "gauge",
+        "The number of requests in the waiting queue.",
+        engine.num_waiting,
+    )
+    sample(
+        "sglang:num_used_tokens",
+        "gauge",
+        "The number of used tokens.",
+        engine.used_tokens - engine.cache.evictable_tokens,
+    )
+    sample("sglang:token_usage", "gauge", "The token usage.", engine.token_usage)
+    sample(
+        "sglang:max_total_num_tokens",
+        "gauge",
+        "Maximum total number of tokens.",
+        engine.config.max_total_tokens,
+    )
+    sample("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.", hit_rate)
+    sample(
+        "sglang:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        stats.prompt_tokens,
+    )
+    sample(
+        "sglang:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        stats.generation_tokens,
+    )
+    sample(
+        "sglang:cached_tokens_total",
+        "counter",
+        "Number of cached prompt tokens.",
+        stats.cached_tokens,
+    )
+    sample("sglang:num_requests_total", "counter", "Number of requests processed.", stats.requests)
+    sample(
+        "sglang:num_aborted_requests_total", "counter", "Number of requests aborted.", stats.aborted
+    )
+    _histogram(
+        lines,
+        "sglang:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        stats.ttft,
+        model,
+    )
+    _histogram(
+        lines,
+        "sglang:e2e_request_latency_seconds",
+        "Histogram of End-to-end request latency in seconds.",
+        stats.e2e,
+        model,
+    )
+    _histogram(
+        lines,
+        "sglang:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        stats.itl,
+        model,
+    )
+    return "\n".join(lines) + "\n"
