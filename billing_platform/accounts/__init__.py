@@ -1,0 +1,1 @@
+"""Tenancy: users, organizations, memberships and roles, projects, API keys, invitations."""

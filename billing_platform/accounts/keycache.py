@@ -1,0 +1,81 @@
+"""Redis cache of API-key lookups with no stale window after a change.
+
+Entries are filled with ``SET NX`` and changed keys are invalidated by writing a fresh
+``reload:<nonce>`` marker (on commit). A reader that saw a marker may only replace *that*
+marker (compare-and-set), so a reader that read the database before a revocation committed can
+never write its stale copy over the invalidation: revocation takes effect at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from typing import Any
+
+import redis
+from django.conf import settings
+
+from billing_platform.redis_conn import get_redis
+
+_CAS = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+end
+return nil
+"""
+LAST_USED_HASH = "tg:apikey:last_used"
+MARKER = "reload:"
+
+
+def cache_key(prefix: str) -> str:
+    return f"tg:apikey:{prefix}"
+
+
+def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Return ``(entry, marker)``: a cached entry, or the marker to replace (None if absent)."""
+    raw = get_redis().get(cache_key(prefix))
+    if raw is None:
+        return None, None
+    if raw.startswith(MARKER):
+        return None, raw
+    return json.loads(raw), None
+
+
+def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
+    """Store a freshly read entry unless the key was invalidated since it was read."""
+    r = get_redis()
+    payload = json.dumps(entry)
+    ttl = settings.API_KEY_CACHE_TTL_S
+    if marker is None:
+        r.set(cache_key(prefix), payload, ex=ttl, nx=True)
+    else:
+        r.eval(_CAS, 1, cache_key(prefix), marker, payload, ttl)
+
+
+def invalidate(prefixes: list[str]) -> None:
+    """Force the next lookup of each key to read the database."""
+    if not prefixes:
+        return
+    pipe = get_redis().pipeline(transaction=False)
+    for prefix in prefixes:
+        pipe.set(cache_key(prefix), MARKER + secrets.token_hex(8),
+                 ex=settings.API_KEY_CACHE_TTL_S)
+    pipe.execute()
+
+
+def touch(key_id: int, at: float) -> None:
+    """Note that a key was used (flushed to the database by a periodic task)."""
+    # last-used is advisory; a Redis outage must not fail the request
+    with contextlib.suppress(redis.RedisError):
+        get_redis().hset(LAST_USED_HASH, str(key_id), repr(at))
+
+
+def drain_last_used() -> dict[int, float]:
+    """Atomically take all pending last-used times."""
+    r = get_redis()
+    pipe = r.pipeline(transaction=True)
+    pipe.hgetall(LAST_USED_HASH)
+    pipe.delete(LAST_USED_HASH)
+    pending, _ = pipe.execute()
+    return {int(k): float(v) for k, v in pending.items()}

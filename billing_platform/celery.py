@@ -1,0 +1,31 @@
+"""The Celery app: Redis broker, the platform's queues, and the beat schedule."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from kombu import Queue
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+
+app = Celery("tollgate")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.task_queues = [
+    Queue(name) for name in ("metering", "billing", "quota", "batch", "fleet")
+]
+app.conf.task_routes = {
+    "accounts.*": {"queue": "quota"},
+    "metering.*": {"queue": "metering"},
+    "plans.*": {"queue": "quota"},
+    "invoicing.*": {"queue": "billing"},
+    "batch.*": {"queue": "batch"},
+    "fleet.*": {"queue": "fleet"},
+}
+app.conf.beat_schedule = {
+    "flush-api-key-last-used": {
+        "task": "accounts.flush_api_key_last_used",
+        "schedule": float(os.environ.get("TOLLGATE_LAST_USED_FLUSH_S", "30")),
+    },
+}
+app.autodiscover_tasks()

@@ -1,0 +1,1 @@
+"""The web console: customers' pages (sign-up, organizations, projects, API keys, members)."""

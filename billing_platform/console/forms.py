@@ -1,0 +1,47 @@
+"""Console forms: validation and error messages for the pages."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib.auth.password_validation import validate_password
+
+from billing_platform.accounts.choices import Role, Scope
+
+
+class SignUpForm(forms.Form):
+    email = forms.EmailField()
+    password = forms.CharField(widget=forms.PasswordInput, min_length=8)
+    org_name = forms.CharField(label="Organization name", max_length=200)
+
+    def clean_password(self) -> str:
+        password = self.cleaned_data["password"]
+        validate_password(password)
+        return password
+
+
+class ProjectForm(forms.Form):
+    name = forms.CharField(max_length=200)
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(max_length=200)
+    scopes = forms.MultipleChoiceField(
+        choices=Scope.choices, widget=forms.CheckboxSelectMultiple, initial=[Scope.INFERENCE]
+    )
+    allowed_models = forms.CharField(
+        required=False, help_text="Comma-separated; empty allows every model in your zone."
+    )
+    expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650)
+
+    def clean_allowed_models(self) -> list[str]:
+        raw = self.cleaned_data["allowed_models"] or ""
+        return [m.strip() for m in raw.split(",") if m.strip()]
+
+
+class InviteForm(forms.Form):
+    email = forms.EmailField()
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.DEVELOPER)
+
+
+class RoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Role.choices)

@@ -1,0 +1,24 @@
+"""Console routes."""
+
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from billing_platform.console import views
+
+app_name = "console"
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("signup/", views.signup, name="signup"),
+    path("login/", auth_views.LoginView.as_view(template_name="console/login.html"),
+         name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("org/switch/", views.switch_org, name="switch-org"),
+    path("projects/", views.projects, name="projects"),
+    path("projects/<str:project_id>/keys/", views.api_keys, name="api-keys"),
+    path("projects/<str:project_id>/keys/<str:key_id>/revoke/", views.api_key_revoke,
+         name="api-key-revoke"),
+    path("members/", views.members, name="members"),
+    path("members/<int:member_id>/role/", views.member_role, name="member-role"),
+    path("invitations/<str:token>/", views.invitation_accept, name="invitation"),
+]

@@ -1,0 +1,220 @@
+"""Console pages. Thin views: a form validates, one service acts, a template renders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from functools import wraps
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth import login
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from billing_platform.accounts import services
+from billing_platform.accounts.models import ApiKey, Membership, Project
+from billing_platform.accounts.selectors import (
+    OrgAccess,
+    api_keys_for_project,
+    org_access,
+    organizations_for_user,
+)
+from billing_platform.console import forms
+from billing_platform.errors import DomainError, NotFound
+
+SESSION_ORG = "console_org"
+
+
+def _resolve_access(request: HttpRequest) -> OrgAccess | None:
+    wanted = request.session.get(SESSION_ORG)
+    if wanted:
+        try:
+            return org_access(user=request.user, principal=None, org_public_id=wanted)
+        except NotFound:
+            request.session.pop(SESSION_ORG, None)
+    first = organizations_for_user(user=request.user).first()
+    if first is None:
+        return None
+    request.session[SESSION_ORG] = first.public_id
+    return org_access(user=request.user, principal=None, org_public_id=first.public_id)
+
+
+def org_page(permission: str = "read") -> Callable:
+    """Require login and a current organization in which the user holds ``permission``."""
+
+    def decorator(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        @login_required
+        @wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            access = _resolve_access(request)
+            if access is None:
+                return redirect("console:signup")
+            request.org_access = access  # type: ignore[attr-defined]
+            if not access.can(permission):
+                messages.error(request, f"Your role ({access.role}) cannot do that.")
+                return redirect("console:dashboard")
+            return view(request, access, *args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+def signup(request: HttpRequest) -> HttpResponse:
+    form = forms.SignUpForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            user, org = services.user_sign_up(**form.cleaned_data)
+        except DomainError as exc:
+            form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+        else:
+            login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+            request.session[SESSION_ORG] = org.public_id
+            messages.success(request, f"Welcome! {org.name} is ready.")
+            return redirect("console:dashboard")
+    return render(request, "console/signup.html", {"form": form})
+
+
+@org_page()
+def dashboard(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    org = access.organization
+    context = {
+        "orgs": organizations_for_user(user=request.user),
+        "projects": org.projects.order_by("created_at"),
+        "active_keys": ApiKey.objects.filter(organization=org, revoked_at__isnull=True).count(),
+        "members": org.memberships.count(),
+    }
+    return render(request, "console/dashboard.html", context)
+
+
+@login_required
+@require_POST
+def switch_org(request: HttpRequest) -> HttpResponse:
+    try:
+        access = org_access(user=request.user, principal=None,
+                            org_public_id=request.POST.get("org", ""))
+    except NotFound:
+        messages.error(request, "No such organization.")
+    else:
+        request.session[SESSION_ORG] = access.organization.public_id
+    return redirect("console:dashboard")
+
+
+@org_page()
+def projects(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    form = forms.ProjectForm(request.POST or None)
+    if request.method == "POST":
+        if not access.can("projects.write"):
+            messages.error(request, f"Your role ({access.role}) cannot create projects.")
+            return redirect("console:projects")
+        if form.is_valid():
+            project = services.project_create(organization=access.organization,
+                                              name=form.cleaned_data["name"])
+            messages.success(request, f"Project {project.name} created.")
+            return redirect("console:projects")
+    projects = access.organization.projects.order_by("created_at")
+    return render(request, "console/projects.html", {"projects": projects, "form": form})
+
+
+def _project(access: OrgAccess, project_id: str) -> Project:
+    return get_object_or_404(Project, organization=access.organization, public_id=project_id)
+
+
+@org_page()
+def api_keys(request: HttpRequest, access: OrgAccess, project_id: str) -> HttpResponse:
+    project = _project(access, project_id)
+    form = forms.ApiKeyForm(request.POST or None)
+    secret = None
+    if request.method == "POST":
+        if not access.can("keys.write"):
+            messages.error(request, f"Your role ({access.role}) cannot create keys.")
+            return redirect("console:api-keys", project_id=project.public_id)
+        if form.is_valid():
+            days = form.cleaned_data.pop("expires_in_days")
+            try:
+                key, secret = services.api_key_create(
+                    project=project, created_by=request.user,
+                    expires_at=timezone.now() + timedelta(days=days) if days else None,
+                    **form.cleaned_data,
+                )
+            except DomainError as exc:
+                form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+            else:
+                form = forms.ApiKeyForm()
+                messages.success(request, f"Key {key.name} created. Copy it now: it is "
+                                          "shown only once.")
+    keys = api_keys_for_project(project_id=project.pk)
+    return render(request, "console/api_keys.html",
+                  {"project": project, "keys": keys, "form": form, "secret": secret})
+
+
+@org_page("keys.write")
+def api_key_revoke(request: HttpRequest, access: OrgAccess, project_id: str,
+                   key_id: str) -> HttpResponse:
+    project = _project(access, project_id)
+    key = get_object_or_404(ApiKey, project=project, public_id=key_id)
+    if request.method == "POST":
+        services.api_key_revoke(api_key=key)
+        messages.success(request, f"Key {key.name} revoked. It stopped working immediately.")
+        return redirect("console:api-keys", project_id=project.public_id)
+    return render(request, "console/api_key_revoke.html", {"project": project, "key": key})
+
+
+@org_page()
+def members(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    form = forms.InviteForm(request.POST or None)
+    if request.method == "POST":
+        if not access.can("members.write"):
+            messages.error(request, f"Your role ({access.role}) cannot invite members.")
+            return redirect("console:members")
+        if form.is_valid():
+            try:
+                services.member_invite(organization=access.organization,
+                                       invited_by=request.user, acting_role=access.role,
+                                       **form.cleaned_data)
+            except DomainError as exc:
+                form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+            else:
+                messages.success(request, f"Invitation sent to {form.cleaned_data['email']}.")
+                return redirect("console:members")
+    memberships = access.organization.memberships.select_related("user").order_by("created_at")
+    pending = access.organization.invitations.filter(accepted_at__isnull=True,
+                                                      expires_at__gt=timezone.now())
+    return render(request, "console/members.html", {
+        "memberships": memberships, "pending": pending, "form": form,
+        "roles": forms.RoleForm.base_fields["role"].choices,
+    })
+
+
+@org_page("members.write")
+@require_POST
+def member_role(request: HttpRequest, access: OrgAccess, member_id: int) -> HttpResponse:
+    membership = get_object_or_404(Membership, organization=access.organization, pk=member_id)
+    form = forms.RoleForm(request.POST)
+    if form.is_valid():
+        try:
+            services.member_set_role(membership=membership, role=form.cleaned_data["role"],
+                                     acting_role=access.role)
+        except DomainError as exc:
+            messages.error(request, exc.message)
+        else:
+            messages.success(request, f"{membership.user.email} is now {membership.role}.")
+    return redirect("console:members")
+
+
+@login_required
+def invitation_accept(request: HttpRequest, token: str) -> HttpResponse:
+    if request.method == "POST":
+        try:
+            membership = services.invitation_accept(token=token, user=request.user)
+        except DomainError as exc:
+            messages.error(request, exc.message)
+            return redirect("console:dashboard")
+        request.session[SESSION_ORG] = membership.organization.public_id
+        messages.success(request, f"You joined {membership.organization.name}.")
+        return redirect("console:dashboard")
+    return render(request, "console/invitation.html", {"token": token})

@@ -1,0 +1,182 @@
+"""The README's two commands: ``./tollgate up`` (run the platform) and ``./tollgate test``.
+
+Both start PostgreSQL and Redis first: the servers named by ``DATABASE_URL`` / ``REDIS_URL``
+when set, otherwise private embedded servers under ``./.tollgate/`` that are reused across runs.
+``up`` then migrates, seeds the demo org, and runs web (uvicorn), worker and beat with their logs
+interleaved under coloured prefixes; Ctrl-C stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from billing_platform import env as E
+from billing_platform.embedded import EmbeddedPostgres, EmbeddedRedis
+
+COLOURS = {"web": "36", "worker": "33", "beat": "35", "fleet": "32", "tollgate": "1"}
+
+
+def say(msg: str, name: str = "tollgate") -> None:
+    colour = COLOURS.get(name, "0")
+    prefix = f"\033[{colour}m{name:>8} |\033[0m " if sys.stdout.isatty() else f"{name:>8} | "
+    print(prefix + msg, flush=True)
+
+
+class Services:
+    """PostgreSQL and Redis for this run: configured ones, or embedded ones we start and stop."""
+
+    def __init__(self, *, redis_db: int = 0) -> None:
+        self.started: list[EmbeddedPostgres | EmbeddedRedis] = []
+        self.redis_db = redis_db
+
+    def ensure(self) -> dict[str, str]:
+        """Start whatever is not configured; return the environment the children need."""
+        urls = {}
+        if os.environ.get("DATABASE_URL"):
+            urls["DATABASE_URL"] = os.environ["DATABASE_URL"]
+            say("PostgreSQL: using DATABASE_URL")
+        else:
+            pg = EmbeddedPostgres(E.STATE_DIR / "pgdata", E.EMBEDDED_PG_PORT)
+            if not pg.running():
+                say(f"PostgreSQL: starting embedded server on 127.0.0.1:{pg.port} "
+                    f"(data in {pg.data_dir.relative_to(E.BASE_DIR)}; first start ~10 s)")
+                pg.start()
+                self.started.append(pg)
+            else:
+                say(f"PostgreSQL: reusing the embedded server on 127.0.0.1:{pg.port}")
+            urls["DATABASE_URL"] = pg.url
+        if os.environ.get("REDIS_URL"):
+            urls["REDIS_URL"] = os.environ["REDIS_URL"]
+            say("Redis: using REDIS_URL")
+        else:
+            redis = EmbeddedRedis(E.STATE_DIR / "redis", E.EMBEDDED_REDIS_PORT)
+            if not redis.running():
+                say(f"Redis: starting embedded server on 127.0.0.1:{redis.port}")
+                redis.start()
+                self.started.append(redis)
+            else:
+                say(f"Redis: reusing the embedded server on 127.0.0.1:{redis.port}")
+            urls["REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/{self.redis_db}"
+        return urls
+
+    def stop(self) -> None:
+        for server in reversed(self.started):
+            say(f"stopping embedded {type(server).__name__.removeprefix('Embedded')}")
+            server.stop()
+        self.started.clear()
+
+
+def _manage(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], check=True, env=env, cwd=E.BASE_DIR)
+
+
+def _pump(name: str, stream) -> None:
+    for raw in iter(stream.readline, b""):
+        say(raw.decode(errors="replace").rstrip(), name)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    services = Services()
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    try:
+        env = {**os.environ, **services.ensure(), "PYTHONUNBUFFERED": "1"}
+        say("applying migrations")
+        _manage("migrate", "--noinput", "-v", "0", env=env)
+        _manage("seed_demo", env=env)
+        E.STATE_DIR.mkdir(exist_ok=True)
+        celery = [sys.executable, "-m", "celery", "-A", "billing_platform"]
+        commands = {
+            "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
+                    "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--no-access-log"
+                    if args.quiet else "--access-log"],
+            "worker": [*celery, "worker", "-Q", ",".join(("metering", "billing", "quota",
+                       "batch", "fleet")), "--concurrency", "2", "-l", "INFO", "-n",
+                       "tollgate@%h"],
+            "beat": [*celery, "beat", "-l", "INFO", "-s",
+                     str(E.STATE_DIR / "celerybeat-schedule")],
+        }
+        for name, argv in commands.items():
+            proc = subprocess.Popen(argv, env=env, cwd=E.BASE_DIR, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            children.append((name, proc))
+            threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
+        url = f"http://{E.WEB_HOST}:{E.WEB_PORT}"
+        say(f"console   {url}/console/   (log in with the demo login above)")
+        say(f"API docs  {url}/api/v1/docs/   metrics {url}/metrics   admin {url}/admin/")
+        say("press Ctrl-C to stop everything")
+        while all(proc.poll() is None for _, proc in children):
+            time.sleep(0.5)
+        dead = [name for name, proc in children if proc.poll() is not None]
+        say(f"{', '.join(dead)} exited; stopping the rest (see its log above)")
+        return 1
+    except KeyboardInterrupt:
+        say("Ctrl-C: stopping")
+        return 0
+    except subprocess.CalledProcessError as exc:
+        say(f"set-up step failed: {' '.join(map(str, exc.cmd[1:]))} (see the error above)")
+        return 1
+    finally:
+        for _name, proc in children:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for name, proc in children:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                say(f"{name} did not stop in 15 s; killing it")
+                os.killpg(proc.pid, signal.SIGKILL)
+        services.stop()
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    # Tests use Redis db 15 of the embedded server so they never touch a dev run's data.
+    services = Services(redis_db=15)
+    try:
+        env = {**os.environ, **services.ensure()}
+        argv = [sys.executable, "-m", "ruff", "check", "."]
+        if not args.pytest_args:
+            say("ruff check")
+            if subprocess.run(argv, cwd=E.BASE_DIR, check=False).returncode:
+                say("ruff found problems (fix them, or run `.venv/bin/ruff check --fix .`)")
+                return 1
+        say("running the test suite")
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", *args.pytest_args], env=env, cwd=E.BASE_DIR,
+            check=False,
+        ).returncode
+    finally:
+        services.stop()
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    services = Services()
+    for key, value in services.ensure().items():
+        print(f"export {key}={value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tollgate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the platform (web, worker, beat) until Ctrl-C")
+    up.add_argument("--quiet", action="store_true", help="no per-request access log")
+    up.set_defaults(func=cmd_up)
+    test = sub.add_parser("test", help="run ruff and the test suite (extra args go to pytest)")
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    test.set_defaults(func=cmd_test)
+    services = sub.add_parser("services", help="start PostgreSQL/Redis, print their URLs")
+    services.set_defaults(func=cmd_services)
+    args = parser.parse_args(argv)
+    os.chdir(Path(E.BASE_DIR))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

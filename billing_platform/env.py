@@ -1,0 +1,44 @@
+"""The one place that reads the environment.
+
+Unset infrastructure settings mean the embedded default (the devstack starts private PostgreSQL
+and Redis servers under ``./.tollgate/`` and exports their URLs before Django starts), never a
+crash. Secrets must be set explicitly when ``TOLLGATE_ENV=production``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+STATE_DIR = BASE_DIR / ".tollgate"
+
+env = environ.Env()
+
+TOLLGATE_ENV: str = env.str("TOLLGATE_ENV", default="development")
+PRODUCTION: bool = TOLLGATE_ENV == "production"
+
+# Ports of the embedded servers; only used when DATABASE_URL / REDIS_URL are unset.
+EMBEDDED_PG_PORT: int = env.int("TOLLGATE_PG_PORT", default=54329)
+EMBEDDED_REDIS_PORT: int = env.int("TOLLGATE_REDIS_PORT", default=63799)
+
+DATABASE_URL: str = env.str(
+    "DATABASE_URL", default=f"postgres://postgres@127.0.0.1:{EMBEDDED_PG_PORT}/tollgate"
+)
+REDIS_URL: str = env.str("REDIS_URL", default=f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
+
+_DEV_SECRET = "dev-insecure-secret-key-change-me-in-production-0123456789"  # noqa: S105
+SECRET_KEY: str = env.str("SECRET_KEY") if PRODUCTION else env.str("SECRET_KEY", _DEV_SECRET)
+DEBUG: bool = env.bool("DEBUG", default=not PRODUCTION)
+ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["*"] if not PRODUCTION else [])
+
+STRIPE_API_KEY: str = env.str("STRIPE_API_KEY", default="")
+STRIPE_WEBHOOK_SECRET: str = env.str("STRIPE_WEBHOOK_SECRET", default="")
+
+EMAIL_URL: str = env.str("EMAIL_URL", default="consolemail://")
+DEFAULT_FROM_EMAIL: str = env.str("DEFAULT_FROM_EMAIL", default="Tollgate <billing@tollgate.local>")
+PUBLIC_URL: str = env.str("TOLLGATE_PUBLIC_URL", default="http://127.0.0.1:8000")
+
+WEB_HOST: str = env.str("TOLLGATE_HOST", default="127.0.0.1")
+WEB_PORT: int = env.int("TOLLGATE_PORT", default=8000)

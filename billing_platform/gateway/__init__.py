@@ -1,0 +1,1 @@
+"""OpenAI-compatible API (/v1): chat and completions, files and batches. Wired, not yet built."""

@@ -1,0 +1,1 @@
+"""Billing periods, immutable invoices, credits and Stripe payments. Wired, not yet built."""

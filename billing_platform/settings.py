@@ -1,0 +1,151 @@
+"""Django settings. Every value that varies per deployment comes from ``billing_platform.env``."""
+
+from __future__ import annotations
+
+import environ
+
+from billing_platform import env as E
+
+BASE_DIR = E.BASE_DIR
+SECRET_KEY = E.SECRET_KEY
+DEBUG = E.DEBUG
+ALLOWED_HOSTS = E.ALLOWED_HOSTS
+CSRF_TRUSTED_ORIGINS = [E.PUBLIC_URL]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "django_prometheus",
+    "rest_framework",
+    "drf_spectacular",
+    "billing_platform.accounts",
+    "billing_platform.gateway",
+    "billing_platform.invoicing",
+    "billing_platform.console",
+    "metering",
+    "plans",
+    "engine_adapter",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "billing_platform.urls"
+ASGI_APPLICATION = "billing_platform.asgi.application"
+WSGI_APPLICATION = "billing_platform.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "billing_platform.console.context.current_org",
+            ],
+        },
+    },
+]
+
+_db = environ.Env.db_url_config(E.DATABASE_URL)
+if "postgres" not in _db["ENGINE"]:
+    raise RuntimeError("Tollgate needs PostgreSQL: set DATABASE_URL=postgres://... or unset it")
+_db["ENGINE"] = "django_prometheus.db.backends.postgresql"
+_db["CONN_HEALTH_CHECKS"] = True
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = E.REDIS_URL
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "tg",
+    }
+}
+
+AUTH_USER_MODEL = "accounts.User"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:dashboard"
+LOGOUT_REDIRECT_URL = "console:login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = E.STATE_DIR / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+
+vars().update(environ.Env.email_url_config(E.EMAIL_URL))
+DEFAULT_FROM_EMAIL = E.DEFAULT_FROM_EMAIL
+PUBLIC_URL = E.PUBLIC_URL
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "billing_platform.accounts.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "EXCEPTION_HANDLER": "billing_platform.accounts.apis.exception_handler",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Tollgate management API",
+    "DESCRIPTION": "Organizations, projects, API keys, members, usage and billing.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+}
+
+# Celery: queues as in DESIGN.md; delivery options are declared once, on each task.
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_DEFAULT_QUEUE = "metering"
+CELERY_QUEUES_ALL = ("metering", "billing", "quota", "batch", "fleet")
+CELERY_BEAT_SCHEDULE_FILENAME = str(E.STATE_DIR / "celerybeat-schedule")
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "INFO"},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+# API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
+API_KEY_CACHE_TTL_S = 300

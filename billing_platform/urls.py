@@ -1,0 +1,16 @@
+"""Top-level URL map: /v1 gateway, /api/v1 management API, /console, /admin, /metrics."""
+
+from django.contrib import admin
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="console:dashboard", permanent=False)),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include("billing_platform.accounts.urls")),
+    path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("console/", include("billing_platform.console.urls")),
+    path("", include("django_prometheus.urls")),
+]

@@ -1,0 +1,1 @@
+"""Usage events, durable ingest, hourly rollups and rating hooks. Wired, not yet built."""

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class MeteringConfig(AppConfig):
+    name = "metering"
+    label = "metering"
+    default_auto_field = "django.db.models.BigAutoField"

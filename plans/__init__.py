@@ -1,0 +1,1 @@
+"""What customers bought (price books, plans, subscriptions) and quota enforcement."""

@@ -1,0 +1,133 @@
+"""API keys: shown once, stored hashed, revoked and expired keys refused at once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from billing_platform.accounts import keycache, services
+from billing_platform.accounts.models import ApiKey
+from billing_platform.accounts.selectors import _load_principal, api_key_authenticate
+from tests.factories import ProjectFactory, make_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _rows_containing(text: str) -> list[str]:
+    """Return ``table`` names of every row in the database whose JSON contains ``text``."""
+    hits = []
+    with connection.cursor() as cur:
+        cur.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        for (table,) in cur.fetchall():
+            cur.execute(
+                f'SELECT count(*) FROM "{table}" t WHERE row_to_json(t)::text LIKE %s',  # noqa: S608
+                [f"%{text}%"],
+            )
+            if cur.fetchone()[0]:
+                hits.append(table)
+    return hits
+
+
+def test_secret_is_not_stored_anywhere_in_the_database(api_client):
+    # given a key created through the management API
+    key, secret = make_key(scopes=["inference", "admin"])
+    # when it has been used (cache filled, last-used noted and flushed)
+    assert api_key_authenticate(secret) is not None
+    services.api_key_last_used_flush()
+    # then neither the whole key nor its secret half appears in any table
+    secret_half = secret.split("_", 1)[1]
+    assert _rows_containing(secret_half) == []
+    assert _rows_containing(secret) == []
+    # and the stored row holds only the prefix and a digest
+    stored = ApiKey.objects.get(pk=key.pk)
+    assert secret.startswith(f"tg-{stored.prefix}_")
+    assert stored.secret_hash != secret_half
+    assert len(stored.secret_hash) == 64
+
+
+def test_wrong_secret_with_a_real_prefix_is_refused():
+    _key, secret = make_key()
+    tampered = secret[:-1] + ("A" if secret[-1] != "A" else "B")
+    assert api_key_authenticate(tampered) is None
+    assert api_key_authenticate("tg-nosuchprefix1_" + "x" * 43) is None
+    assert api_key_authenticate("sk-not-ours") is None
+
+
+def test_revoked_key_gets_401_at_once_even_when_cached(api_client):
+    key, secret = make_key(scopes=["admin"])
+    api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert api_client.get("/api/v1/organizations/").status_code == 200  # now cached in Redis
+    services.api_key_revoke(api_key=key)
+    response = api_client.get("/api/v1/organizations/")
+    assert response.status_code == 401
+    assert "revoked" in response.json()["detail"]
+
+
+def test_a_lookup_racing_a_revocation_cannot_write_back_a_stale_entry():
+    # given a reader that missed the cache and read the key from the database...
+    key, secret = make_key()
+    cached, marker = keycache.read(key.prefix)
+    stale = _load_principal(key.prefix)
+    assert cached is None
+    assert stale is not None
+    assert not stale.revoked
+    # ...when the revocation commits before the reader writes its copy back
+    services.api_key_revoke(api_key=key)
+    keycache.fill(key.prefix, asdict(stale), marker=marker)
+    # then the stale copy was not stored and the key is refused
+    assert api_key_authenticate(secret) is None
+
+
+def test_expired_key_gets_401(api_client):
+    _key, secret = make_key(scopes=["admin"], expires_at=timezone.now() + timedelta(seconds=1.5))
+    api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert api_client.get("/api/v1/organizations/").status_code == 200
+    time.sleep(1.6)
+    assert api_client.get("/api/v1/organizations/").status_code == 401
+
+
+def test_key_works_when_redis_is_unreachable(settings):
+    _key, secret = make_key()
+    from billing_platform.redis_conn import get_redis
+
+    get_redis.cache_clear()
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    try:
+        principal = api_key_authenticate(secret)
+    finally:
+        get_redis.cache_clear()
+    assert principal is not None
+    assert principal.scopes == ("inference",)
+
+
+def test_key_creation_rejects_bad_input():
+    project = ProjectFactory()
+    from billing_platform.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="Unknown scopes"):
+        services.api_key_create(project=project, name="k", scopes=["root"])
+    with pytest.raises(InvalidRequest, match="future"):
+        services.api_key_create(project=project, name="k", scopes=["inference"],
+                                expires_at=timezone.now() - timedelta(days=1))
+    assert not ApiKey.objects.exists()
+
+
+def test_last_used_is_flushed_by_the_periodic_task_in_a_real_worker(celery_worker_process):
+    # given a worker with beat flushing every second, and a key that gets used
+    from tests.conftest import wait_until
+
+    key, secret = make_key()
+    worker = celery_worker_process(beat=True, env={"TOLLGATE_LAST_USED_FLUSH_S": "1"})
+    before = time.time()
+    assert api_key_authenticate(secret) is not None
+    # then the worker writes the last-used time to PostgreSQL on its own
+    wait_until(lambda: ApiKey.objects.get(pk=key.pk).last_used_at, timeout=60,
+               what=f"last_used_at to be flushed (worker log: {worker.log_path})")
+    used = ApiKey.objects.get(pk=key.pk).last_used_at
+    assert abs(used.timestamp() - before) < 30
+    assert "accounts.flush_api_key_last_used" in worker.log_path.read_text()
