@@ -21,6 +21,11 @@ from types import TracebackType
 from typing import IO, Self
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Token rates at which a test's generations take milliseconds: start_sim(**FAST_RATES).
+FAST_RATES: dict[str, object] = {
+    "prefill_tokens_per_s": 10_000_000,
+    "decode_tokens_per_s": 1_000_000,
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
