@@ -26,5 +26,9 @@ app.conf.beat_schedule = {
         "task": "accounts.flush_api_key_last_used",
         "schedule": float(os.environ.get("TOLLGATE_LAST_USED_FLUSH_S", "30")),
     },
+    "fleet-health-check": {
+        "task": "fleet.health_check",
+        "schedule": float(os.environ.get("TOLLGATE_FLEET_HEALTH_S", "5")),
+    },
 }
 app.autodiscover_tasks()

@@ -1,0 +1,287 @@
+"""Send a request to an engine the router chose, relay the answer, and account for it.
+
+``EngineClient.call()`` returns an ``EngineCall``, an async context manager:
+
+    async with client.call(model=..., path="/v1/chat/completions", body=..., namespace=org,
+                           prompt_text=..., allowed_regions=...) as call:
+        if call.streaming:
+            async for chunk in call.chunks():   # parsed SSE JSON objects
+                ...
+        else:
+            body = call.body
+    result = call.result                          # usage, timings, status, cost-to-serve
+
+What the client guarantees, whatever the caller asks for:
+
+- usage is always requested from the engine (``stream_options.include_usage`` and
+  ``continuous_usage_stats``, so an aborted stream still knows its exact token counts);
+- ``cache_salt`` is always set from the tenant namespace, so no tenant reuses another's prefix
+  cache (any caller-supplied salt is overwritten);
+- retries happen only before the engine's first byte, on another engine when one exists;
+- leaving the ``async with`` early (client disconnect) closes the engine connection, which
+  aborts the request at the engine, and the result is marked ``client_aborted``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from engine_adapter.cost import attribute_cost
+from engine_adapter.router import Router
+from engine_adapter.types import (
+    CallResult,
+    EngineBadRequest,
+    EngineError,
+    EngineInfo,
+    EngineTimeout,
+    NoCapacity,
+)
+
+RETRYABLE_STATUS = {500, 502, 503, 504}
+
+
+def cache_salt(namespace: str, *, secret: str = "") -> str:
+    """Return the engine ``cache_salt`` of a tenant namespace (stable; secret makes it opaque)."""
+    return hashlib.blake2b(f"{secret}:{namespace}".encode(), digest_size=16).hexdigest()
+
+
+class EngineClient:
+    """Async HTTP client for the fleet: pooled connections, timeouts, relay, accounting."""
+
+    def __init__(self, router: Router, *, connect_timeout: float = 2.0,
+                 first_byte_timeout: float = 120.0, idle_timeout: float = 60.0,
+                 max_attempts: int = 2, salt_secret: str = "",
+                 max_connections: int = 1000) -> None:
+        self.router = router
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        self.max_attempts = max_attempts
+        self.salt_secret = salt_secret
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=10.0, pool=10.0),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def call(self, *, model: str, path: str, body: dict[str, Any], namespace: str,
+             prompt_text: str, allowed_regions: set[str] | None = None,
+             priority: int | None = None, request_id: str | None = None) -> EngineCall:
+        """Prepare a call; it is sent on ``async with``."""
+        body = dict(body)
+        body["model"] = model
+        body["cache_salt"] = cache_salt(namespace, secret=self.salt_secret)
+        if priority is not None:
+            body["priority"] = priority
+        if request_id:
+            body["rid"] = request_id
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        return EngineCall(self, model=model, path=path, body=body, namespace=namespace,
+                          prompt_text=prompt_text, allowed_regions=allowed_regions)
+
+
+class EngineCall:
+    """One request in flight; see the module docstring."""
+
+    def __init__(self, client: EngineClient, *, model: str, path: str, body: dict[str, Any],
+                 namespace: str, prompt_text: str, allowed_regions: set[str] | None) -> None:
+        self.client = client
+        self.model = model
+        self.path = path
+        self.request_body = body
+        self.namespace = namespace
+        self.prompt_text = prompt_text
+        self.allowed_regions = allowed_regions
+        self.streaming = bool(body.get("stream"))
+        self.body: dict[str, Any] | None = None
+        self.result: CallResult | None = None
+        self._response: httpx.Response | None = None
+        self._engine: EngineInfo | None = None
+        self._t0 = 0.0
+        self._first_token_at: float | None = None
+        self._concurrency_at_start = 1
+        self._finished = False
+
+    # -- sending, with retries before the first byte -----------------------------------------
+
+    async def __aenter__(self) -> Self:
+        router = self.client.router
+        failed: list[str] = []
+        last_error: Exception | None = None
+        self._t0 = time.monotonic()
+        for attempt in range(1, self.client.max_attempts + 1):
+            try:
+                decision = router.choose(model=self.model, namespace=self.namespace,
+                                         prompt=self.prompt_text,
+                                         allowed_regions=self.allowed_regions, exclude=failed)
+            except NoCapacity:
+                if last_error is None:
+                    raise
+                break  # every candidate failed; report the engine's failure below
+            engine = decision.engine
+            self._concurrency_at_start = max(1, router.inflight(engine.engine_id))
+            try:
+                response = await self._send(engine)
+            except (httpx.TransportError, EngineTimeout) as exc:
+                router.release(engine.engine_id)
+                failed.append(engine.engine_id)
+                last_error = exc
+                continue
+            if response.status_code in RETRYABLE_STATUS:
+                detail = await _error_text(response)
+                router.release(engine.engine_id)
+                failed.append(engine.engine_id)
+                last_error = EngineError(f"engine {engine.engine_id} answered "
+                                         f"{response.status_code}: {detail}")
+                continue
+            if response.status_code >= 400:
+                detail = await _error_text(response)
+                router.release(engine.engine_id)
+                raise EngineBadRequest(detail)
+            self._engine, self._response = engine, response
+            self.result = CallResult(engine=engine, attempts=attempt)
+            if not self.streaming:
+                await self._read_body()
+            return self
+        if isinstance(last_error, EngineTimeout):
+            raise last_error
+        raise EngineError(f"the engine failed before answering: {last_error}")
+
+    async def _send(self, engine: EngineInfo) -> httpx.Response:
+        request = self.client._http.build_request(
+            "POST", engine.url + self.path, json=self.request_body)
+        try:
+            return await asyncio.wait_for(self.client._http.send(request, stream=True),
+                                          self.client.first_byte_timeout)
+        except TimeoutError as exc:
+            raise EngineTimeout(f"engine {engine.engine_id} sent nothing in "
+                                f"{self.client.first_byte_timeout:.0f}s") from exc
+
+    async def _read_body(self) -> None:
+        try:
+            raw = await asyncio.wait_for(self._open().aread(), self.client.idle_timeout)
+        except (httpx.TransportError, TimeoutError) as exc:
+            self._fail(f"engine connection failed while answering: {exc!r}")
+            raise EngineError("the engine failed while answering") from exc
+        self._first_token_at = time.monotonic()
+        self.body = json.loads(raw)
+        self._take_usage(self.body.get("usage"))
+        choices = self.body.get("choices") or [{}]
+        self._res.finish_reason = choices[0].get("finish_reason")
+        self._res.response_id = self.body.get("id")
+        self._finished = True
+
+    # -- streaming relay ---------------------------------------------------------------------
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Yield the engine's SSE chunks as dicts (usage chunk included) until ``[DONE]``."""
+        lines = self._open().aiter_lines()
+        while True:
+            try:
+                line = await asyncio.wait_for(anext(lines), self.client.idle_timeout)
+            except StopAsyncIteration:
+                if not self._finished:
+                    self._fail("the engine closed the stream before finishing")
+                    raise EngineError("the engine closed the stream early") from None
+                return
+            except TimeoutError as exc:
+                self._fail(f"no data from the engine for {self.client.idle_timeout:.0f}s")
+                raise EngineTimeout("the engine stalled mid-stream") from exc
+            except httpx.TransportError as exc:
+                self._fail(f"engine connection failed mid-stream: {exc!r}")
+                raise EngineError("the engine connection failed mid-stream") from exc
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                self._finished = True
+                return
+            chunk = json.loads(data)
+            if "error" in chunk and "choices" not in chunk:
+                self._fail(str(chunk["error"]))
+                raise EngineError(f"the engine reported an error mid-stream: {chunk['error']}")
+            self._observe(chunk)
+            yield chunk
+
+    def _observe(self, chunk: dict[str, Any]) -> None:
+        self._take_usage(chunk.get("usage"))
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if self._first_token_at is None and (delta.get("content") or choice.get("text")):
+                self._first_token_at = time.monotonic()
+            if choice.get("finish_reason"):
+                self._res.finish_reason = choice["finish_reason"]
+        if chunk.get("id"):
+            self._res.response_id = chunk["id"]
+
+    def _take_usage(self, usage: dict[str, Any] | None) -> None:
+        if not usage:
+            return
+        result = self._res
+        result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        result.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            result.cached_tokens = int(details["cached_tokens"])
+
+    def _fail(self, message: str) -> None:
+        self._res.status = "engine_error"
+        self._res.error = message
+
+    @property
+    def _res(self) -> CallResult:
+        if self.result is None:
+            raise RuntimeError("use the engine call inside `async with`")
+        return self.result
+
+    def _open(self) -> httpx.Response:
+        if self._response is None:
+            raise RuntimeError("use the engine call inside `async with`")
+        return self._response
+
+    # -- completion and accounting -----------------------------------------------------------
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._response is None or self.result is None or self._engine is None:
+            return
+        result = self.result
+        if not self._finished and result.status == "ok":
+            # The caller stopped early (client disconnect or cancellation).
+            result.status = "client_aborted"
+        await self._response.aclose()  # closes the connection: the engine aborts the request
+        self.client.router.release(self._engine.engine_id)
+        now = time.monotonic()
+        result.total_ms = (now - self._t0) * 1000
+        if self._first_token_at is not None:
+            result.ttft_ms = (self._first_token_at - self._t0) * 1000
+        meta = (self.body or {}).get("meta_info") or {}
+        result.queue_ms = float(meta.get("queue_time", 0) or 0) * 1000
+        concurrency = (self._concurrency_at_start
+                       + max(1, self.client.router.inflight(self._engine.engine_id) + 1)) / 2
+        result.gpu_seconds, result.cost_to_serve = attribute_cost(
+            engine=self._engine, busy_seconds=Decimal(str(round(now - self._t0, 6))),
+            concurrency=Decimal(str(concurrency)),
+        )
+
+
+async def _error_text(response: httpx.Response) -> str:
+    raw = await response.aread()
+    await response.aclose()
+    try:
+        err = json.loads(raw).get("error", {})
+        return err.get("message", "") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return raw[:500].decode(errors="replace")

@@ -1,0 +1,194 @@
+"""Pick an engine for a request: residency first, then cache affinity, bounded by load.
+
+Policies:
+
+- ``cache_aware`` (default). Each engine gets an approximate prefix index: the prompt is cut
+  into fixed-size character blocks, and each block is identified by a hash chained over the
+  blocks before it *and the tenant's cache namespace*, so a match is a true shared prefix and no
+  tenant is ever routed for another tenant's cache. The engine with the longest match wins,
+  unless its load is over ``bound`` times the pool's mean (bounded-load, as in consistent hashing
+  with bounded loads); then the best match among engines under the bound wins, and with no match
+  anywhere the least-loaded engine does. This keeps hit rate near the workload's maximum while
+  one engine never takes the whole pool.
+- ``least_load``: fewest in-flight + queued requests.
+- ``round_robin``.
+
+The router is pure Python state per process; it imports nothing from Django. Engines come from
+the fleet registry; loads are the router's own in-flight counts plus the last scraped queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, NoCapacity
+
+BLOCK_CHARS = 64  # ~16 tokens per block: fine enough for system prompts, cheap to hash
+POLICIES = ("cache_aware", "least_load", "round_robin")
+
+
+def prefix_blocks(namespace: str, text: str, *, limit: int = 512) -> list[bytes]:
+    """Return the chained block hashes of ``text`` within a tenant's ``namespace``."""
+    digest = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    blocks = []
+    for start in range(0, min(len(text), limit * BLOCK_CHARS), BLOCK_CHARS):
+        chunk = text[start:start + BLOCK_CHARS]
+        if len(chunk) < BLOCK_CHARS:
+            break  # a partial block is not a reusable prefix yet
+        digest = hashlib.blake2b(digest + chunk.encode(), digest_size=16).digest()
+        blocks.append(digest)
+    return blocks
+
+
+class PrefixIndex:
+    """An LRU set of block hashes an engine probably still holds in its KV cache."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = max(16, capacity_blocks)
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, blocks: Sequence[bytes]) -> int:
+        n = 0
+        for block in blocks:
+            if block not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[bytes]) -> None:
+        for block in blocks:
+            self.blocks[block] = None
+            self.blocks.move_to_end(block)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+@dataclass
+class Decision:
+    engine: EngineInfo
+    matched_blocks: int
+    policy: str
+
+
+class Router:
+    """Route requests over a set of engines with one of ``POLICIES``."""
+
+    def __init__(self, engines: Iterable[EngineInfo] = (), *, policy: str = "cache_aware",
+                 bound: float = 1.25) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        self.policy = policy
+        self.bound = bound
+        self._lock = threading.Lock()
+        self._engines: dict[str, EngineInfo] = {}
+        self._healthy: set[str] = set()
+        self._inflight: dict[str, int] = {}
+        self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
+        self._scraped: dict[str, EngineLoad] = {}
+        self._index: dict[str, PrefixIndex] = {}
+        self._rr = itertools.count()
+        self.set_engines(engines)
+
+    # -- fleet state -------------------------------------------------------------------------
+
+    def set_engines(self, engines: Iterable[EngineInfo], *,
+                    healthy: Iterable[str] | None = None) -> None:
+        """Replace the known engines (all healthy unless ``healthy`` names a subset)."""
+        with self._lock:
+            engines = list(engines)
+            self._engines = {e.engine_id: e for e in engines}
+            self._healthy = set(healthy) if healthy is not None else set(self._engines)
+            for e in engines:
+                self._inflight.setdefault(e.engine_id, 0)
+                # ~4 characters a token; keep as many blocks as the engine's KV cache holds.
+                blocks = e.max_total_tokens * 4 // BLOCK_CHARS
+                if e.engine_id not in self._index:
+                    self._index[e.engine_id] = PrefixIndex(blocks)
+
+    def mark(self, engine_id: str, *, healthy: bool) -> None:
+        with self._lock:
+            (self._healthy.add if healthy else self._healthy.discard)(engine_id)
+
+    def observe_load(self, engine_id: str, load: EngineLoad) -> None:
+        with self._lock:
+            self._scraped[engine_id] = load
+
+    def models(self) -> set[str]:
+        return {e.model for e in self._engines.values()}
+
+    def regions_of(self, model: str) -> set[str]:
+        return {e.region for e in self._engines.values() if e.model == model}
+
+    def load(self, engine_id: str) -> int:
+        scraped = self._scraped.get(engine_id)
+        return self._inflight.get(engine_id, 0) + (scraped.queued if scraped else 0)
+
+    def candidates(self, model: str, allowed_regions: set[str] | None) -> list[EngineInfo]:
+        """Return healthy engines of ``model`` in ``allowed_regions`` (None: any region)."""
+        of_model = [e for e in self._engines.values() if e.model == model]
+        if not of_model:
+            raise ModelNotServed(f"No engine serves model {model!r}.")
+        ok = [e for e in of_model if e.engine_id in self._healthy
+              and (allowed_regions is None or e.region in allowed_regions)]
+        if not ok:
+            where = ", ".join(sorted(allowed_regions)) if allowed_regions else "any region"
+            raise NoCapacity(f"No healthy engine for {model!r} in the allowed regions "
+                             f"({where}); the request was not sent anywhere else.")
+        return ok
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def choose(self, *, model: str, namespace: str, prompt: str,
+               allowed_regions: set[str] | None = None,
+               exclude: Iterable[str] = ()) -> Decision:
+        """Pick an engine and count the request in flight on it (call ``release`` after)."""
+        with self._lock:
+            excluded = set(exclude)
+            pool = [e for e in self.candidates(model, allowed_regions)
+                    if e.engine_id not in excluded]
+            if not pool:
+                raise NoCapacity(f"Every engine for {model!r} in the allowed regions failed.")
+            blocks = prefix_blocks(namespace, prompt) if self.policy == "cache_aware" else []
+            engine, matched = self._pick(pool, blocks)
+            self._inflight[engine.engine_id] = self._inflight.get(engine.engine_id, 0) + 1
+            self._assigned[engine.engine_id] = self._assigned.get(engine.engine_id, 0) + 1
+            if blocks:
+                self._index[engine.engine_id].insert(blocks)
+            return Decision(engine, matched, self.policy)
+
+    def _pick(self, pool: list[EngineInfo], blocks: list[bytes]) -> tuple[EngineInfo, int]:
+        if self.policy == "round_robin":
+            return pool[next(self._rr) % len(pool)], 0
+        loads = {e.engine_id: self.load(e.engine_id) for e in pool}
+        # Ties (an idle pool) go to the engine that has been given the least work so far, so
+        # sequential traffic of many tenants spreads instead of piling onto the first engine.
+        least = min(pool, key=lambda e: (loads[e.engine_id],
+                                         self._assigned.get(e.engine_id, 0), e.engine_id))
+        if self.policy == "least_load" or not blocks:
+            return least, 0
+        # Bounded load: an engine may take a request only while under bound x mean (+1 so an
+        # idle pool still admits affinity).
+        cap = math.ceil(self.bound * (sum(loads.values()) + 1) / len(pool))
+        best, best_match = least, 0
+        for e in pool:
+            if loads[e.engine_id] + 1 > cap:
+                continue
+            m = self._index[e.engine_id].match(blocks)
+            if m > best_match or (m == best_match and m > 0
+                                  and loads[e.engine_id] < loads[best.engine_id]):
+                best, best_match = e, m
+        return best, best_match
+
+    def release(self, engine_id: str) -> None:
+        """The request on ``engine_id`` finished (in any way)."""
+        with self._lock:
+            self._inflight[engine_id] = max(0, self._inflight.get(engine_id, 0) - 1)
+
+    def inflight(self, engine_id: str) -> int:
+        return self._inflight.get(engine_id, 0)

@@ -1,0 +1,271 @@
+"""Fleet operations: load the spec, launch and stop engines, check health, restart crashes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from django.db import transaction
+from django.utils import timezone
+
+from engine_adapter.choices import EngineStatus, Launch
+from engine_adapter.metrics import parse_engine_load
+from engine_adapter.models import EngineInstance, Pool
+from engine_adapter.spec import FleetSpec, PoolSpec, SpecError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SGLANG_MODEL_MARKER = "@sglang-cpu-model"
+Progress = Callable[[str], None]
+
+
+def _state_dir() -> Path:
+    return Path(os.environ.get("TOLLGATE_ROOT") or REPO_ROOT / ".tollgate")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours still "exists"; reap it if it is one.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+@transaction.atomic
+def fleet_sync_spec(*, spec: FleetSpec, sim_only: bool = False) -> list[Pool]:
+    """Upsert the spec's pools; pools no longer in the spec are marked, not deleted."""
+    pools = []
+    for p in spec.pools:
+        launch = Launch.SIM if sim_only and p.launch == Launch.SGLANG else p.launch
+        pool, _ = Pool.objects.update_or_create(name=p.name, defaults={
+            "model": p.model, "model_path": p.model_path, "region": p.region, "zone": p.zone,
+            "gpu_type": p.gpu_type, "gpu_hourly_cost": p.gpu_hourly_cost,
+            "gpus_per_replica": p.gpus_per_replica, "replicas": p.replicas, "launch": launch,
+            "engine_python": p.engine_python, "extra_args": list(p.extra_args),
+            "external_urls": list(p.external_urls), "max_total_tokens": p.max_total_tokens,
+            "in_spec": True,
+        })
+        pools.append(pool)
+    Pool.objects.exclude(name__in=[p.name for p in spec.pools]).update(in_spec=False)
+    return pools
+
+
+def launch_command(pool: Pool | PoolSpec, port: int) -> tuple[list[str], dict[str, str]]:
+    """Return argv and environment that start one replica of ``pool`` on ``port``."""
+    if pool.launch == Launch.SIM:
+        from engine_adapter.sim.testing import sim_command
+
+        argv = sim_command(port=port, served_model_name=pool.model,
+                           max_total_tokens=pool.max_total_tokens)
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        return [*argv, *pool.extra_args], env
+    if pool.launch != Launch.SGLANG:
+        raise SpecError(f"pool {pool.name} is {pool.launch}; Tollgate does not launch it")
+    common = ["--max-total-tokens", str(pool.max_total_tokens), *pool.extra_args]
+    if pool.engine_python:  # a GPU host with a normal SGLang install
+        argv = [pool.engine_python, "-m", "sglang.launch_server", "--model-path",
+                pool.model_path, "--served-model-name", pool.model, "--host", "127.0.0.1",
+                "--port", str(port), "--enable-cache-report", "--enable-metrics",
+                "--enable-priority-scheduling", *common]
+        return argv, dict(os.environ)
+    from engine_adapter import sglang_cpu
+
+    paths = sglang_cpu.resolve_paths(_state_dir())
+    model_dir = (paths.model_dir if pool.model_path in ("", SGLANG_MODEL_MARKER)
+                 else Path(pool.model_path))
+    return sglang_cpu.launch_spec(model_dir=model_dir, port=port, served_model_name=pool.model,
+                                  extra_args=common, root=paths.root)
+
+
+def _spawn(pool: Pool, port: int, log_path: Path) -> int:
+    argv, env = launch_command(pool, port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return proc.pid
+
+
+def engine_launch(*, pool: Pool, replica: int) -> EngineInstance:
+    """Start one replica of ``pool`` (replacing a dead instance of that replica)."""
+    port = _free_port()
+    engine_id = f"{pool.name}-{replica}"
+    log_path = _state_dir() / "logs" / "engines" / f"{engine_id}.log"
+    pid = _spawn(pool, port, log_path)
+    instance, _ = EngineInstance.objects.update_or_create(
+        pool=pool, replica=replica, defaults={
+            "engine_id": engine_id, "url": f"http://127.0.0.1:{port}", "pid": pid,
+            "launched": True, "status": EngineStatus.STARTING, "started_at": timezone.now(),
+            "last_error": "", "failures": 0, "log_path": str(log_path), "load": {},
+        })
+    return instance
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def fleet_up(*, spec: FleetSpec, sim_only: bool = False, wait: bool = True,
+             timeout: float = 300.0, progress: Progress = print) -> list[EngineInstance]:
+    """Start every replica the spec asks for that is not already running; wait until ready."""
+    pools = fleet_sync_spec(spec=spec, sim_only=sim_only)
+    if any(p.launch == Launch.SGLANG and not p.engine_python for p in pools):
+        from engine_adapter import sglang_cpu
+
+        sglang_cpu.ensure_ready(_state_dir(), log=lambda msg: progress(f"sglang-cpu: {msg}"))
+    instances = []
+    for pool in pools:
+        if pool.launch == Launch.EXTERNAL:
+            for n, url in enumerate(pool.external_urls):
+                inst, _ = EngineInstance.objects.update_or_create(
+                    pool=pool, replica=n, defaults={"engine_id": f"{pool.name}-{n}",
+                                                    "url": url.rstrip("/"), "launched": False})
+                instances.append(inst)
+            continue
+        for replica in range(pool.replicas):
+            inst = EngineInstance.objects.filter(pool=pool, replica=replica).first()
+            if inst and inst.status != EngineStatus.STOPPED and pid_alive(inst.pid):
+                progress(f"{inst.engine_id}: already running at {inst.url}")
+                instances.append(inst)
+                continue
+            inst = engine_launch(pool=pool, replica=replica)
+            progress(f"{inst.engine_id}: launched {pool.launch} engine for {pool.model} "
+                     f"in {pool.region} at {inst.url} (log {inst.log_path})")
+            instances.append(inst)
+    if wait:
+        _wait_ready(instances, timeout=timeout, progress=progress)
+    return instances
+
+
+def _wait_ready(instances: list[EngineInstance], *, timeout: float, progress: Progress) -> None:
+    pending = {i.engine_id: i for i in instances}
+    start = time.monotonic()
+    last_note = 0.0
+    while pending and time.monotonic() - start < timeout:
+        for engine_id, inst in list(pending.items()):
+            if _healthy(inst.url, timeout=1.0):
+                inst.status, inst.last_seen_at = EngineStatus.HEALTHY, timezone.now()
+                inst.save(update_fields=["status", "last_seen_at"])
+                progress(f"{engine_id}: ready after {time.monotonic() - start:.0f}s")
+                del pending[engine_id]
+            elif inst.launched and not pid_alive(inst.pid):
+                inst.status = EngineStatus.CRASHED
+                inst.last_error = "exited during start-up"
+                inst.save(update_fields=["status", "last_error"])
+                raise RuntimeError(f"engine {engine_id} exited during start-up; "
+                                   f"see {inst.log_path}")
+        if pending and time.monotonic() - last_note > 10:
+            last_note = time.monotonic()
+            progress(f"waiting for {', '.join(sorted(pending))} "
+                     f"({time.monotonic() - start:.0f}s elapsed)")
+        time.sleep(0.3)
+    if pending:
+        raise TimeoutError(f"engines not ready after {timeout:.0f}s: {', '.join(sorted(pending))};"
+                           f" see their logs under {_state_dir() / 'logs' / 'engines'}")
+
+
+def _terminate(pid: int, timeout: float = 15.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def fleet_down(*, pool_names: list[str] | None = None, progress: Progress = print) -> int:
+    """Stop the engines we launched (all, or those of ``pool_names``); return how many."""
+    qs = EngineInstance.objects.select_related("pool").exclude(status=EngineStatus.STOPPED)
+    if pool_names:
+        qs = qs.filter(pool__name__in=pool_names)
+    count = 0
+    for inst in qs:
+        if inst.launched and inst.pid:
+            _terminate(inst.pid)
+            count += 1
+            progress(f"{inst.engine_id}: stopped")
+        inst.status = EngineStatus.STOPPED
+        inst.save(update_fields=["status"])
+    return count
+
+
+def fleet_health_check(*, restart: bool = True, timeout: float = 2.0) -> dict[str, str]:
+    """Probe every engine: health, load from /metrics; restart crashed engines we launched."""
+    states = {}
+    for inst in EngineInstance.objects.select_related("pool").exclude(
+            status=EngineStatus.STOPPED):
+        if inst.launched and not pid_alive(inst.pid):
+            inst.status, inst.last_error = EngineStatus.CRASHED, "process exited"
+            if restart:
+                fresh = engine_launch(pool=inst.pool, replica=inst.replica)
+                EngineInstance.objects.filter(pk=fresh.pk).update(restarts=inst.restarts + 1)
+                states[inst.engine_id] = "restarted"
+                continue
+            inst.save(update_fields=["status", "last_error"])
+            states[inst.engine_id] = inst.status
+            continue
+        try:
+            health = httpx.get(f"{inst.url}/health", timeout=timeout)
+            metrics = httpx.get(f"{inst.url}/metrics", timeout=timeout)
+        except httpx.HTTPError as exc:
+            ok, error, load = False, f"unreachable: {exc!r}", None
+        else:
+            ok = health.status_code == 200
+            error = "" if ok else f"/health answered {health.status_code}"
+            load = parse_engine_load(metrics.text) if metrics.status_code == 200 else None
+        if ok:
+            inst.status, inst.failures = EngineStatus.HEALTHY, 0
+            inst.last_seen_at = timezone.now()
+        elif inst.status != EngineStatus.STARTING or inst.failures > 60:
+            inst.failures += 1
+            inst.status = EngineStatus.UNHEALTHY
+        inst.last_error = error
+        if load is not None:
+            inst.load = load
+        inst.save(update_fields=["status", "failures", "last_seen_at", "last_error", "load"])
+        states[inst.engine_id] = inst.status
+    return states
+
+
+def fleet_restart(*, pool_name: str, progress: Progress = print) -> list[EngineInstance]:
+    """Stop and start every replica of one pool."""
+    pool = Pool.objects.get(name=pool_name)
+    fleet_down(pool_names=[pool_name], progress=progress)
+    instances = [engine_launch(pool=pool, replica=r) for r in range(pool.replicas)]
+    _wait_ready(instances, timeout=300, progress=progress)
+    return instances
+
+
+def default_spec_path() -> Path:
+    return Path(os.environ.get("TOLLGATE_FLEET_SPEC")
+                or REPO_ROOT / "engine_adapter" / "fleets" / "dev.toml")
+
+

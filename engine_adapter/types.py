@@ -1,0 +1,92 @@
+"""The typed interface the rest of the platform sees: engines, calls, results, errors.
+
+Nothing outside ``engine_adapter`` ever holds an engine URL; it holds an ``EngineInfo`` chosen
+by the ``Router`` and hands it back to the ``EngineClient``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine replica as the router sees it."""
+
+    engine_id: str
+    pool: str
+    model: str
+    region: str
+    url: str
+    gpu_hourly_cost: Decimal = Decimal("0")
+    gpus: int = 1
+    max_total_tokens: int = 8192
+
+
+@dataclass
+class EngineLoad:
+    """Scraped load of one engine (from its /metrics), refreshed by the health loop."""
+
+    running: int = 0
+    queued: int = 0
+    token_usage: float = 0.0  # fraction of KV cache in use; a gauge, never money
+    max_running: int | None = None
+
+
+@dataclass
+class CallResult:
+    """What one engine call produced: the engine's usage counts, timings and cost-to-serve."""
+
+    engine: EngineInfo
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    status: str = "ok"  # ok | client_aborted | engine_error
+    error: str | None = None
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+    total_ms: float = 0.0
+    gpu_seconds: Decimal = Decimal("0")
+    cost_to_serve: Decimal = Decimal("0")
+    attempts: int = 1
+    response_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """Base of the adapter's errors; ``status`` is what the gateway should answer."""
+
+    status = 502
+    code = "engine_error"
+
+
+class NoCapacity(EngineError):
+    """No healthy engine of the model in the allowed regions (never routed elsewhere)."""
+
+    status = 503
+    code = "no_capacity"
+
+
+class ModelNotServed(EngineError):
+    """No engine anywhere serves this model."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class EngineTimeout(EngineError):
+    status = 504
+    code = "engine_timeout"
+
+
+class EngineBadRequest(EngineError):
+    """The engine rejected the request as invalid (its 4xx); the client's fault, not ours."""
+
+    status = 400
+    code = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

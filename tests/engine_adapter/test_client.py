@@ -1,0 +1,142 @@
+"""EngineClient against simulated engines over real HTTP: relay, usage, retries, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from decimal import Decimal
+
+import pytest
+
+from engine_adapter.client import EngineClient
+from engine_adapter.router import Router
+from engine_adapter.sim.testing import FAST_RATES
+from engine_adapter.types import EngineError, EngineInfo
+
+LONG = "The quick brown fox jumps over the lazy dog near the riverbank. " * 30
+
+
+def _info(sim, engine_id: str = "e0", region: str = "us-east") -> EngineInfo:
+    return EngineInfo(engine_id=engine_id, pool="p", model=sim.model, region=region,
+                      url=sim.base_url, gpu_hourly_cost=Decimal("3.60"), gpus=2)
+
+
+def _stats(sim) -> dict:
+    with urllib.request.urlopen(f"{sim.base_url}/sim/stats", timeout=5) as r:  # noqa: S310
+        return json.loads(r.read())
+
+
+async def _chat(client: EngineClient, model: str, content: str, *, stream: bool = False,
+                namespace: str = "org-a", max_tokens: int = 8):
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": stream}
+    chunks = []
+    async with client.call(model=model, path="/v1/chat/completions", body=body,
+                           namespace=namespace, prompt_text=content) as call:
+        if stream:
+            chunks = [c async for c in call.chunks()]
+    return call, chunks
+
+
+def test_non_streaming_and_streaming_usage_come_from_the_engine(sim_factory):
+    sim = sim_factory(served_model_name="m1", **FAST_RATES)
+    client = EngineClient(Router([_info(sim)]))
+
+    async def scenario():
+        call, _ = await _chat(client, "m1", "hello there")
+        streamed, chunks = await _chat(client, "m1", "hello again", stream=True)
+        await client.aclose()
+        return call, streamed, chunks
+
+    call, streamed, chunks = asyncio.run(scenario())
+    assert call.body["usage"]["completion_tokens"] == call.result.completion_tokens == 8
+    assert call.result.prompt_tokens == call.body["usage"]["prompt_tokens"] > 0
+    assert call.result.status == "ok" and call.result.ttft_ms is not None
+    # usage was requested even though the caller did not ask: the last chunk carries it
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert streamed.result.completion_tokens == 8 and streamed.result.status == "ok"
+    # cost-to-serve is attributed from the pool's GPU price: positive, Decimal, tiny
+    assert isinstance(call.result.cost_to_serve, Decimal)
+    assert Decimal(0) < call.result.cost_to_serve < Decimal("0.01")
+
+
+def test_cache_salt_is_per_tenant_so_prefix_hits_never_cross(sim_factory):
+    sim = sim_factory(served_model_name="m1", **FAST_RATES)
+    client = EngineClient(Router([_info(sim)]))
+
+    async def scenario():
+        a1, _ = await _chat(client, "m1", LONG, namespace="org-a")
+        a2, _ = await _chat(client, "m1", LONG, namespace="org-a")
+        b1, _ = await _chat(client, "m1", LONG, namespace="org-b")
+        await client.aclose()
+        return a1.result, a2.result, b1.result
+
+    a1, a2, b1 = asyncio.run(scenario())
+    assert a1.cached_tokens == 0
+    assert a2.cached_tokens >= a2.prompt_tokens - 1 > 100
+    assert b1.cached_tokens == 0  # org B's identical prompt gets no hit from org A's cache
+
+
+def test_failure_before_first_byte_is_retried_on_another_engine(sim_factory):
+    broken = sim_factory(served_model_name="m1", error_rate=1.0, **FAST_RATES)
+    good = sim_factory(served_model_name="m1", **FAST_RATES)
+    router = Router([_info(broken, "bad"), _info(good, "good")], policy="round_robin")
+    client = EngineClient(router)
+
+    async def scenario():
+        results = [(await _chat(client, "m1", f"q{i}"))[0].result for i in range(4)]
+        await client.aclose()
+        return results
+
+    results = asyncio.run(scenario())
+    assert all(r.status == "ok" and r.engine.engine_id == "good" for r in results)
+    assert any(r.attempts == 2 for r in results)
+    assert router.inflight("bad") == router.inflight("good") == 0
+
+
+def test_engine_dying_mid_stream_gives_an_error_and_keeps_delivered_tokens(sim_factory):
+    sim = sim_factory(served_model_name="m1", fail_after_tokens=3, **FAST_RATES)
+    client = EngineClient(Router([_info(sim)]))
+
+    async def scenario():
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20, "stream": True}
+        got = []
+        call = client.call(model="m1", path="/v1/chat/completions", body=body,
+                           namespace="o", prompt_text="x")
+        with pytest.raises(EngineError):
+            async with call:
+                async for chunk in call.chunks():
+                    got.append(chunk)
+        await client.aclose()
+        return call.result, got
+
+    result, got = asyncio.run(scenario())
+    assert result.status == "engine_error"
+    assert 1 <= len([c for c in got if c["choices"]]) <= 4
+
+
+def test_client_disconnect_aborts_the_engine_request(sim_factory):
+    sim = sim_factory(served_model_name="m1", max_running_requests=1,
+                      decode_tokens_per_s=50, prefill_tokens_per_s=100000)
+    client = EngineClient(Router([_info(sim)]))
+
+    async def scenario():
+        body = {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 500,
+                "stream": True}
+        async with client.call(model="m1", path="/v1/chat/completions", body=body,
+                               namespace="o", prompt_text="tell me") as call:
+            n = 0
+            async for _chunk in call.chunks():
+                n += 1
+                if n == 5:
+                    break  # the client went away
+        # the engine slot is free again: a second request is served at once
+        second, _ = await _chat(client, "m1", "next", max_tokens=2)
+        await client.aclose()
+        return call.result, second.result
+
+    aborted, second = asyncio.run(scenario())
+    assert aborted.status == "client_aborted"
+    assert second.status == "ok"
+    assert _stats(sim).get("aborted", 0) >= 1

@@ -1,0 +1,87 @@
+"""Router policies: residency is never violated, affinity is per tenant, load stays bounded."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine_adapter.router import Router
+from engine_adapter.types import EngineInfo, ModelNotServed, NoCapacity
+
+SYSTEM = "You are a careful assistant for the Acme knowledge base. " * 8
+
+
+def _engines(n: int, *, region: str = "us-east", model: str = "m") -> list[EngineInfo]:
+    return [EngineInfo(engine_id=f"{region}-{i}", pool="p", model=model, region=region,
+                       url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+
+
+def test_residency_only_engines_in_allowed_regions_are_chosen():
+    router = Router(_engines(2, region="us-east") + _engines(2, region="eu-west"))
+    for i in range(50):
+        d = router.choose(model="m", namespace="org", prompt=f"{i} {SYSTEM}",
+                          allowed_regions={"eu-west"})
+        assert d.engine.region == "eu-west"
+        router.release(d.engine.engine_id)
+
+
+def test_no_healthy_engine_in_zone_is_an_error_not_a_detour():
+    us, eu = _engines(2, region="us-east"), _engines(1, region="eu-west")
+    router = Router(us + eu)
+    router.mark(eu[0].engine_id, healthy=False)
+    with pytest.raises(NoCapacity, match="not sent anywhere else"):
+        router.choose(model="m", namespace="org", prompt="hi", allowed_regions={"eu-west"})
+    with pytest.raises(ModelNotServed):
+        router.choose(model="other", namespace="org", prompt="hi")
+
+
+def test_cache_aware_keeps_a_tenant_conversation_on_one_engine():
+    router = Router(_engines(4))
+    first = router.choose(model="m", namespace="org-a", prompt=SYSTEM + "question one")
+    router.release(first.engine.engine_id)
+    again = router.choose(model="m", namespace="org-a", prompt=SYSTEM + "question two")
+    router.release(again.engine.engine_id)
+    assert again.engine == first.engine
+    assert again.matched_blocks >= len(SYSTEM) // 64
+
+
+def test_cache_affinity_never_crosses_tenants():
+    router = Router(_engines(4))
+    a = router.choose(model="m", namespace="org-a", prompt=SYSTEM + "x")
+    router.release(a.engine.engine_id)
+    b = router.choose(model="m", namespace="org-b", prompt=SYSTEM + "x")
+    assert b.matched_blocks == 0  # same text, other tenant: no shared prefix
+
+
+def test_bounded_load_one_hot_prefix_cannot_take_the_whole_pool():
+    # given 40 concurrent requests that all share one prefix (none released yet)
+    router = Router(_engines(2), bound=1.25)
+    chosen = [router.choose(model="m", namespace="org", prompt=SYSTEM + str(i)).engine.engine_id
+              for i in range(40)]
+    counts = Counter(chosen)
+    # then both engines work, and neither exceeds the bound over the mean
+    assert len(counts) == 2
+    assert max(counts.values()) <= 1.25 * 20 + 1
+
+
+def test_sequential_requests_of_many_tenants_spread_over_the_pool():
+    router = Router(_engines(2))
+    picks = Counter()
+    for tenant in range(20):
+        for turn in range(2):
+            d = router.choose(model="m", namespace=f"t{tenant}", prompt=SYSTEM + f"{turn}")
+            router.release(d.engine.engine_id)
+            picks[d.engine.engine_id] += 1
+    assert max(picks.values()) / (sum(picks.values()) / 2) <= 1.3
+
+
+def test_least_load_and_round_robin():
+    rr = Router(_engines(3), policy="round_robin")
+    assert len({rr.choose(model="m", namespace="o", prompt="p").engine for _ in range(3)}) == 3
+    ll = Router(_engines(2), policy="least_load")
+    a = ll.choose(model="m", namespace="o", prompt="p").engine
+    b = ll.choose(model="m", namespace="o", prompt="p").engine
+    assert a != b
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Router(policy="random")
