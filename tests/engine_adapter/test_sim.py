@@ -26,6 +26,11 @@ from engine_adapter.sim.testing import SimProcess
 from engine_adapter.sim.tokenizer import encode, render_chat
 
 
+@pytest.fixture(autouse=True)
+def _clean_redis() -> None:
+    """Override the root autouse Redis cleanup here: the simulator uses no Redis and no DB."""
+
+
 def _client(sim: SimProcess, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{sim.base_url}/v1", api_key="x", max_retries=0, **kwargs)
 
@@ -95,7 +100,10 @@ def test_chat_completion_through_openai_sdk_counts_tokens_and_repeats(sim: SimPr
 def test_completion_honours_max_tokens_stop_and_rid(sim: SimProcess) -> None:
     client = _client(sim)
     prompt = _long_prompt(10)
-    full = client.completions.create(model=sim.model, prompt=prompt, max_tokens=30)
+    no_eos = {"ignore_eos": True}
+    full = client.completions.create(
+        model=sim.model, prompt=prompt, max_tokens=30, extra_body=no_eos
+    )
     assert full.object == "text_completion"
     assert full.usage is not None
     assert full.usage.completion_tokens == 30
@@ -104,7 +112,7 @@ def test_completion_honours_max_tokens_stop_and_rid(sim: SimProcess) -> None:
 
     stopped = client.completions.create(
         model=sim.model, prompt=prompt, max_tokens=30, stop=[stop_word],
-        extra_body={"rid": "my-request-1"},
+        extra_body={"rid": "my-request-1", **no_eos},
     )  # fmt: skip
 
     assert stopped.id == "my-request-1"
@@ -312,12 +320,13 @@ def test_priority_orders_starts_and_metrics_show_queue(
                 }
                 (await client.post("/generate", json=body)).raise_for_status()
 
-            blocker = asyncio.create_task(send("blocker", 0, 60))  # ~0.3 s
-            await asyncio.sleep(0.05)
+            blocker = asyncio.create_task(send("blocker", 0, 200))  # ~1 s at 200 tokens/s
+            await asyncio.to_thread(_wait_for, lambda: _stats(sim)["running"] == 1)
             waiting = []
-            for rid, priority in (("low", 0), ("high", 10), ("mid", 5)):
+            for queued, (rid, priority) in enumerate((("low", 0), ("high", 10), ("mid", 5))):
                 waiting.append(asyncio.create_task(send(rid, priority, 1)))
-                await asyncio.sleep(0.02)  # arrival order: low, high, mid
+                # arrival order low, high, mid: wait until each one is queued
+                await asyncio.to_thread(_wait_for, lambda n=queued + 1: _stats(sim)["queued"] == n)
             seen.update(await asyncio.to_thread(_metrics, sim))
             await asyncio.gather(blocker, *waiting)
 
@@ -329,7 +338,7 @@ def test_priority_orders_starts_and_metrics_show_queue(
     assert order == ["blocker", "high", "mid", "low"]
     after = _metrics(sim)
     assert after["sglang:num_queue_reqs"] == 0
-    assert after["sglang:generation_tokens_total"] == 63
+    assert after["sglang:generation_tokens_total"] == 203
     assert after["sglang:prompt_tokens_total"] == 4
     assert after["sglang:num_requests_total"] == 4
 
