@@ -113,6 +113,7 @@ class EngineCall:
         self._first_token_at: float | None = None
         self._concurrency_at_start = 1
         self._finished = False
+        self.tried: list[EngineInfo] = []
 
     # -- sending, with retries before the first byte -----------------------------------------
 
@@ -131,6 +132,7 @@ class EngineCall:
                     raise
                 break  # every candidate failed; report the engine's failure below
             engine = decision.engine
+            self.tried.append(engine)
             self._concurrency_at_start = max(1, router.inflight(engine.engine_id))
             try:
                 response = await self._send(engine)

@@ -14,7 +14,7 @@ from asgiref.sync import sync_to_async
 
 from engine_adapter.client import EngineClient
 from engine_adapter.router import Router
-from engine_adapter.selectors import fleet_snapshot
+from engine_adapter.selectors import fleet_snapshot, zone_regions
 
 REFRESH_S = float(os.environ.get("TOLLGATE_FLEET_REFRESH_S", "2"))
 
@@ -24,13 +24,19 @@ class Fleet:
         self.router = Router(policy=policy)
         self.client = EngineClient(self.router, salt_secret=salt_secret)
         self._refreshed = 0.0
+        self.zones: dict[str, set[str]] = {}
 
     def refresh(self) -> None:
         snap = fleet_snapshot()
+        self.zones = zone_regions()
         self.router.set_engines(snap.engines, healthy=snap.healthy)
         for engine_id, load in snap.loads.items():
             self.router.observe_load(engine_id, load)
         self._refreshed = time.monotonic()
+
+    def regions_in_zone(self, zone: str) -> set[str] | None:
+        """Return the regions a data zone may run in; None for ``global`` (every region)."""
+        return None if zone == "global" else self.zones.get(zone, set())
 
     async def arefresh_if_stale(self) -> None:
         if time.monotonic() - self._refreshed > REFRESH_S:

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from django.conf import settings
 
-from billing_platform.redis_conn import get_redis
+from billing_platform.redis_conn import get_aredis, get_redis
 
 _CAS = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -32,14 +32,22 @@ def cache_key(prefix: str) -> str:
     return f"tg:apikey:{prefix}"
 
 
-def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Return ``(entry, marker)``: a cached entry, or the marker to replace (None if absent)."""
-    raw = get_redis().get(cache_key(prefix))
+def _decode(raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
     if raw is None:
         return None, None
     if raw.startswith(MARKER):
         return None, raw
     return json.loads(raw), None
+
+
+def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Return ``(entry, marker)``: a cached entry, or the marker to replace (None if absent)."""
+    return _decode(get_redis().get(cache_key(prefix)))
+
+
+async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Async ``read`` for the gateway."""
+    return _decode(await get_aredis().get(cache_key(prefix)))
 
 
 def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
@@ -51,6 +59,17 @@ def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
         r.set(cache_key(prefix), payload, ex=ttl, nx=True)
     else:
         r.eval(_CAS, 1, cache_key(prefix), marker, payload, ttl)
+
+
+async def afill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
+    """Async ``fill`` for the gateway."""
+    r = get_aredis()
+    payload = json.dumps(entry)
+    ttl = settings.API_KEY_CACHE_TTL_S
+    if marker is None:
+        await r.set(cache_key(prefix), payload, ex=ttl, nx=True)
+    else:
+        await r.eval(_CAS, 1, cache_key(prefix), marker, payload, ttl)
 
 
 def invalidate(prefixes: list[str]) -> None:
@@ -69,6 +88,12 @@ def touch(key_id: int, at: float) -> None:
     # last-used is advisory; a Redis outage must not fail the request
     with contextlib.suppress(redis.RedisError):
         get_redis().hset(LAST_USED_HASH, str(key_id), repr(at))
+
+
+async def atouch(key_id: int, at: float) -> None:
+    """Async ``touch`` for the gateway."""
+    with contextlib.suppress(redis.RedisError):
+        await get_aredis().hset(LAST_USED_HASH, str(key_id), repr(at))
 
 
 def drain_last_used() -> dict[int, float]:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
+from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 
 from billing_platform.accounts import keycache
@@ -77,6 +78,14 @@ def _load_principal(prefix: str) -> KeyPrincipal | None:
     return KeyPrincipal.from_key(key) if key else None
 
 
+def _verify(principal: KeyPrincipal | None, secret: str) -> KeyPrincipal | None:
+    presented = sha256_hex(secret)
+    stored = principal.secret_hash if principal else sha256_hex("")
+    if not hmac.compare_digest(presented, stored) or principal is None:
+        return None
+    return principal if principal.usable(time.time()) else None
+
+
 def api_key_authenticate(raw: str) -> KeyPrincipal | None:
     """Return the principal for a presented key, or None if it is unknown, revoked or expired.
 
@@ -90,7 +99,6 @@ def api_key_authenticate(raw: str) -> KeyPrincipal | None:
     try:
         cached, marker = keycache.read(prefix)
     except redis.RedisError:
-        cached, marker = None, None
         principal = _load_principal(prefix)
     else:
         if cached is not None:
@@ -100,15 +108,35 @@ def api_key_authenticate(raw: str) -> KeyPrincipal | None:
             if principal is not None:
                 with contextlib.suppress(redis.RedisError):
                     keycache.fill(prefix, asdict(principal), marker=marker)
-    presented = sha256_hex(secret)
-    stored = principal.secret_hash if principal else sha256_hex("")
-    if not hmac.compare_digest(presented, stored) or principal is None:
+    verified = _verify(principal, secret)
+    if verified is not None:
+        keycache.touch(verified.key_id, time.time())
+    return verified
+
+
+async def aapi_key_authenticate(raw: str) -> KeyPrincipal | None:
+    """Async ``api_key_authenticate`` for the gateway (same cache, same rules)."""
+    match = KEY_RE.match(raw.strip())
+    if not match:
         return None
-    now = time.time()
-    if not principal.usable(now):
-        return None
-    keycache.touch(principal.key_id, now)
-    return principal
+    prefix, secret = match["prefix"], match["secret"]
+    load = sync_to_async(_load_principal, thread_sensitive=False)
+    try:
+        cached, marker = await keycache.aread(prefix)
+    except redis.RedisError:
+        principal = await load(prefix)
+    else:
+        if cached is not None:
+            principal = KeyPrincipal.from_json(cached)
+        else:
+            principal = await load(prefix)
+            if principal is not None:
+                with contextlib.suppress(redis.RedisError):
+                    await keycache.afill(prefix, asdict(principal), marker=marker)
+    verified = _verify(principal, secret)
+    if verified is not None:
+        await keycache.atouch(verified.key_id, time.time())
+    return verified
 
 
 def organizations_for_user(*, user: User) -> QuerySet[Organization]:

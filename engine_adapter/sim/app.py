@@ -246,11 +246,14 @@ class SimServer:
         stream = bool(body.get("stream", False))
         options = body.get("stream_options") or {}
         include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        # SGLang's continuous_usage_stats: every chunk carries the usage so far.
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
         failed = await self._before_output()
         if failed is not None:
             return failed
         created = int(time.time())
-        renderer = _OpenAIRenderer(req, model=model, created=created, chat=chat)
+        renderer = _OpenAIRenderer(req, model=model, created=created, chat=chat,
+                                   continuous_usage=continuous)
         return _EngineCall(
             self.engine,
             req,
@@ -462,8 +465,10 @@ def _finish(req: SimRequest) -> tuple[str | None, Any]:
 class _OpenAIRenderer:
     """Chat and legacy completion bodies and chunks, as SGLang's serving_chat/completions."""
 
-    def __init__(self, req: SimRequest, *, model: str, created: int, chat: bool) -> None:
+    def __init__(self, req: SimRequest, *, model: str, created: int, chat: bool,
+                 continuous_usage: bool = False) -> None:
         self.req = req
+        self.continuous_usage = continuous_usage
         self.base = {
             "id": req.rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -490,11 +495,13 @@ class _OpenAIRenderer:
 
     def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
         """Return the SSE frames for a token (``event="token"``) or the end (``"end"``)."""
+        usage = _usage(self.req) if self.continuous_usage else None
         if event == "token":
-            return [_sse({**self.base, "choices": [self._choice(text, None, None)], "usage": None})]
+            return [_sse({**self.base, "choices": [self._choice(text, None, None)],
+                          "usage": usage})]
         finish, matched = _finish(self.req)
         frames = [
-            _sse({**self.base, "choices": [self._choice(None, finish, matched)], "usage": None})
+            _sse({**self.base, "choices": [self._choice(None, finish, matched)], "usage": usage})
         ]
         if include_usage:
             frames.append(_sse({**self.base, "choices": [], "usage": _usage(self.req)}))

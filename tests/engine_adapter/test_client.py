@@ -138,5 +138,8 @@ def test_client_disconnect_aborts_the_engine_request(sim_factory):
 
     aborted, second = asyncio.run(scenario())
     assert aborted.status == "client_aborted"
+    # continuous usage stats: the tokens delivered before the disconnect are known exactly
+    assert aborted.prompt_tokens > 0
+    assert 4 <= aborted.completion_tokens < 500
     assert second.status == "ok"
     assert _stats(sim).get("aborted", 0) >= 1
