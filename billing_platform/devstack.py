@@ -97,11 +97,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     _stop_on_signals()
     services = Services()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    fleet_started = False
+    env = dict(os.environ)
     try:
         env = {**os.environ, **services.ensure(), "PYTHONUNBUFFERED": "1"}
         say("applying migrations")
         _manage("migrate", "--noinput", "-v", "0", env=env)
         _manage("seed_demo", env=env)
+        say("starting the engine fleet" + (" (simulated pools only)" if args.sim_only else
+            "; the first run builds real SGLang for the CPU (~3.5 GB, a few minutes)"))
+        fleet_started = True
+        _manage("fleet", "up", *(["--sim-only"] if args.sim_only else []), env=env)
         E.STATE_DIR.mkdir(exist_ok=True)
         celery = [sys.executable, "-m", "celery", "-A", "billing_platform"]
         commands = {
@@ -143,6 +149,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 say(f"{name} did not stop in 15 s; killing it")
                 os.killpg(proc.pid, signal.SIGKILL)
+        if fleet_started:
+            say("stopping the engine fleet")
+            subprocess.run([sys.executable, "manage.py", "fleet", "down"], env=env,
+                           cwd=E.BASE_DIR, check=False)
         services.stop()
 
 
@@ -179,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the platform (web, worker, beat) until Ctrl-C")
     up.add_argument("--quiet", action="store_true", help="no per-request access log")
+    up.add_argument("--sim-only", action="store_true",
+                    help="simulated engines only (starts in seconds; no real SGLang build)")
     up.set_defaults(func=cmd_up)
     test = sub.add_parser("test", help="run ruff and the test suite (extra args go to pytest)")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER)

@@ -67,6 +67,7 @@ class Stats:
     ttft: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
+    queue: Histogram = field(default_factory=Histogram)
 
 
 @dataclass(eq=False)
@@ -197,6 +198,7 @@ class Engine:
             req.state = "running"
             self.running.add(req)
             self.stats.start_order.append({"rid": req.rid, "priority": req.priority})
+            self.stats.queue.observe(time.monotonic() - req.created_at)
             del self.stats.start_order[:-START_ORDER_KEEP]
             req.wake.set()
 

@@ -106,4 +106,11 @@ def render_metrics(engine: Engine) -> str:
         stats.itl,
         model,
     )
+    _histogram(
+        lines,
+        "sglang:queue_time_seconds",
+        "Histogram of queueing time in seconds.",
+        stats.queue,
+        model,
+    )
     return "\n".join(lines) + "\n"

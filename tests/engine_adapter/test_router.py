@@ -56,13 +56,13 @@ def test_cache_affinity_never_crosses_tenants():
 
 def test_bounded_load_one_hot_prefix_cannot_take_the_whole_pool():
     # given 40 concurrent requests that all share one prefix (none released yet)
-    router = Router(_engines(2), bound=1.25)
+    router = Router(_engines(2), bound=1.5)
     chosen = [router.choose(model="m", namespace="org", prompt=SYSTEM + str(i)).engine.engine_id
               for i in range(40)]
     counts = Counter(chosen)
     # then both engines work, and neither exceeds the bound over the mean
     assert len(counts) == 2
-    assert max(counts.values()) <= 1.25 * 20 + 1
+    assert max(counts.values()) <= 1.5 * 20 + 1
 
 
 def test_sequential_requests_of_many_tenants_spread_over_the_pool():

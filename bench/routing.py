@@ -1,0 +1,297 @@
+"""Routing benchmark: cache hit rate, load balance and queueing per policy, on one workload.
+
+Workload (seeded): tenants of Zipf-skewed size, each with its own long system prompt; multi-turn
+conversations (each turn's prompt extends the previous one); conversations run concurrently.
+The same workload is sent, per policy, over the same engines (caches flushed between runs):
+Tollgate's router with ``cache_aware``, ``least_load`` and ``round_robin``, and the published
+``sglang-router`` (``python -m sglang_router.launch_router``) with its ``cache_aware`` policy.
+
+Prints one JSON line per fleet:
+{"fleet": "sim"|"sglang", "max_possible_hit_rate": x, "policies": {"cache_aware": {"hit_rate",
+"imbalance", "mean_queue_ms"}, ...}}; imbalance = max/mean requests per engine (from each
+engine's own request counter); mean_queue_ms from the engines' queue-time histograms.
+``max_possible_hit_rate`` is the workload's bound: per request, the longest prefix it shares
+with an earlier request of the same tenant, over all prompt text.
+
+    .venv/bin/python bench/routing.py --fleet sim            # 8 simulated engines, ~1 min
+    .venv/bin/python bench/routing.py --fleet sglang         # 2 real SGLang CPU engines
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from os.path import commonpath
+
+from engine_adapter.client import EngineClient  # noqa: E402
+from engine_adapter.metrics import parse_engine_load  # noqa: E402
+from engine_adapter.router import Router  # noqa: E402
+from engine_adapter.sim.testing import free_port, start_sim  # noqa: E402
+from engine_adapter.types import EngineInfo  # noqa: E402
+
+WORDS = ["alpha", "beta", "gamma", "delta", "ledger", "token", "invoice", "meter", "quota", "region", "tenant", "cache", "prefix", "engine", "router", "budget", "tier", "plan", "credit", "usage", "stream", "batch", "flex", "priority", "zone"]
+
+
+def log(msg: str) -> None:
+    print(f"[routing] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Conversation:
+    tenant: str
+    turns: list[list[dict[str, str]]]  # the messages of each turn, growing
+
+
+def make_workload(*, tenants: int, conversations: int, turns: int, system_chars: int,
+                  seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** 1.1 for i in range(tenants)]
+    systems = {}
+    for t in range(tenants):
+        words = [rng.choice(WORDS) for _ in range(system_chars // 6)]
+        systems[f"tenant-{t}"] = f"You are the assistant of tenant {t}. " + " ".join(words)
+    convs = []
+    for c in range(conversations):
+        tenant = f"tenant-{rng.choices(range(tenants), weights)[0]}"
+        messages = [{"role": "system", "content": systems[tenant]}]
+        history = []
+        for k in range(rng.randint(1, turns)):
+            question = f"Question {k} of conversation {c}: " + " ".join(
+                rng.choice(WORDS) for _ in range(rng.randint(8, 30)))
+            messages = [*messages, {"role": "user", "content": question}]
+            history.append(list(messages))
+            messages = [*messages, {"role": "assistant",
+                                    "content": " ".join(rng.choice(WORDS) for _ in range(12))}]
+        convs.append(Conversation(tenant, history))
+    return convs
+
+
+def render(messages: list[dict[str, str]]) -> str:
+    return "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+
+
+def max_possible_hit_rate(convs: list[Conversation]) -> float:
+    """Share of prompt text that some earlier request of the same tenant already covered."""
+    seen: dict[str, list[str]] = {}
+    hit = total = 0
+    for conv in convs:  # conversations are issued in this order; turns in order
+        for messages in conv.turns:
+            text = render(messages)
+            best = 0
+            for earlier in seen.get(conv.tenant, ()):
+                n = commonpath([earlier, text])
+                best = max(best, len(n))
+            hit += min(best, len(text) - 1)
+            total += len(text)
+            seen.setdefault(conv.tenant, []).append(text)
+    return hit / total
+
+
+def scrape(urls: list[str]) -> dict[str, dict[str, float]]:
+    out = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        vals = parse_engine_load(text)
+        for line in text.splitlines():
+            for name in ("sglang:num_requests_total", "sglang:queue_time_seconds_sum",
+                         "sglang:queue_time_seconds_count"):
+                if line.startswith(name):
+                    vals[name] = vals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        out[url] = vals
+    return out
+
+
+def summarize(before, after, hits: int, prompts: int) -> dict[str, float | None]:
+    counts = [after[u].get("sglang:num_requests_total", 0) - before[u].get(
+        "sglang:num_requests_total", 0) for u in after]
+    mean = sum(counts) / len(counts)
+    qsum = sum(after[u].get("sglang:queue_time_seconds_sum", 0) - before[u].get(
+        "sglang:queue_time_seconds_sum", 0) for u in after)
+    qcount = sum(after[u].get("sglang:queue_time_seconds_count", 0) - before[u].get(
+        "sglang:queue_time_seconds_count", 0) for u in after)
+    return {"hit_rate": round(hits / prompts, 4) if prompts else 0.0,
+            "imbalance": round(max(counts) / mean, 3) if mean else None,
+            "mean_queue_ms": round(qsum / qcount * 1000, 2) if qcount else None,
+            "requests_per_engine": counts}
+
+
+async def run_conversations(convs, send, concurrency: int) -> tuple[int, int]:
+    queue: asyncio.Queue[Conversation] = asyncio.Queue()
+    for conv in convs:
+        queue.put_nowait(conv)
+    totals = [0, 0]
+
+    async def worker():
+        while not queue.empty():
+            conv = queue.get_nowait()
+            for messages in conv.turns:
+                usage = await send(conv.tenant, messages)
+                totals[0] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                totals[1] += usage["prompt_tokens"]
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return totals[0], totals[1]
+
+
+def flush(urls: list[str]) -> None:
+    for url in urls:
+        httpx.post(f"{url}/flush_cache", timeout=30)
+
+
+async def run_policy(policy: str, engines: list[EngineInfo], convs, *, concurrency: int,
+                     max_tokens: int, bound: float) -> tuple[int, int]:
+    router = Router(engines, policy=policy, bound=bound)
+    client = EngineClient(router, first_byte_timeout=600)
+
+    async def send(tenant, messages):
+        async with client.call(model=engines[0].model, path="/v1/chat/completions",
+                               body={"messages": messages, "max_tokens": max_tokens,
+                                     "temperature": 0},
+                               namespace=tenant, prompt_text=render(messages)) as call:
+            pass
+        r = call.result
+        return {"prompt_tokens": r.prompt_tokens,
+                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+    try:
+        return await run_conversations(convs, send, concurrency)
+    finally:
+        await client.aclose()
+
+
+async def run_sglang_router(urls: list[str], model: str, convs, *, concurrency: int,
+                            max_tokens: int) -> tuple[int, int] | None:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        log("sglang-router not installed (pip install sglang-router); skipping its policy")
+        return None
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+         "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(timeout=600) as http:
+            async def send(tenant, messages):
+                r = await http.post(f"{base}/v1/chat/completions", json={
+                    "model": model, "messages": messages, "max_tokens": max_tokens,
+                    "temperature": 0, "cache_salt": tenant})
+                r.raise_for_status()
+                return r.json()["usage"]
+
+            return await run_conversations(convs, send, concurrency)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def bench_fleet(name: str, urls: list[str], model: str, convs, args) -> dict:
+    engines = [EngineInfo(engine_id=f"e{i}", pool=name, model=model, region="r", url=u,
+                          max_total_tokens=args.engine_tokens) for i, u in enumerate(urls)]
+    result = {"fleet": name, "engines": len(urls),
+              "requests": sum(len(c.turns) for c in convs),
+              "max_possible_hit_rate": round(max_possible_hit_rate(convs), 4), "policies": {}}
+    for policy in ("cache_aware", "least_load", "round_robin", "sglang_router_cache_aware"):
+        flush(urls)
+        before = scrape(urls)
+        t0 = time.monotonic()
+        if policy.startswith("sglang_router"):
+            totals = await run_sglang_router(urls, model, convs, concurrency=args.concurrency,
+                                             max_tokens=args.max_tokens)
+            if totals is None:
+                continue
+        else:
+            totals = await run_policy(policy, engines, convs, concurrency=args.concurrency,
+                                      max_tokens=args.max_tokens, bound=args.bound)
+        summary = summarize(before, scrape(urls), *totals)
+        summary["seconds"] = round(time.monotonic() - t0, 1)
+        result["policies"][policy] = summary
+        log(f"{name} {policy}: {summary}")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fleet", choices=["sim", "sglang", "both"], default="sim")
+    p.add_argument("--engines", type=int, default=8, help="simulated engines")
+    p.add_argument("--tenants", type=int, default=40)
+    p.add_argument("--conversations", type=int, default=240)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-chars", type=int, default=2400)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--engine-tokens", type=int, default=60000, help="KV tokens per sim engine")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--bound", type=float, default=1.5, help="cache_aware load bound")
+    args = p.parse_args()
+
+    if args.fleet in ("sim", "both"):
+        convs = make_workload(tenants=args.tenants, conversations=args.conversations,
+                              turns=args.turns, system_chars=args.system_chars, seed=args.seed)
+        sims = [start_sim(served_model_name="bench", max_total_tokens=args.engine_tokens,
+                          max_running_requests=8, prefill_tokens_per_s=40000,
+                          decode_tokens_per_s=2000) for _ in range(args.engines)]
+        log(f"started {len(sims)} simulated engines")
+        try:
+            out = asyncio.run(bench_fleet("sim", [s.base_url for s in sims], "bench", convs,
+                                          args))
+        finally:
+            for s in sims:
+                s.stop()
+        print(json.dumps(out), flush=True)
+    if args.fleet in ("sglang", "both"):
+        print(json.dumps(asyncio.run(bench_sglang(args))), flush=True)
+
+
+async def bench_sglang(args) -> dict:
+    from engine_adapter import sglang_cpu
+
+    paths = sglang_cpu.ensure_ready(log=lambda m: log(f"sglang-cpu: {m}"))
+    convs = make_workload(tenants=6, conversations=24, turns=3, system_chars=1200,
+                          seed=args.seed)
+    procs, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        argv, env = sglang_cpu.launch_spec(model_dir=paths.model_dir, port=port,
+                                           served_model_name="tiny", root=paths.root)
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url in urls:
+            sglang_cpu.wait_healthy(url, timeout=300)
+        log("2 real SGLang engines ready")
+        small = argparse.Namespace(**{**vars(args), "concurrency": 4, "max_tokens": 4,
+                                      "engine_tokens": 8192})
+        return await bench_fleet("sglang", urls, "tiny", convs, small)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
