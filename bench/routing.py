@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -34,15 +35,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from os.path import commonpath
+from engine_adapter.client import EngineClient
+from engine_adapter.metrics import parse_engine_load
+from engine_adapter.router import Router
+from engine_adapter.sim.testing import free_port, start_sim
+from engine_adapter.types import EngineInfo
 
-from engine_adapter.client import EngineClient  # noqa: E402
-from engine_adapter.metrics import parse_engine_load  # noqa: E402
-from engine_adapter.router import Router  # noqa: E402
-from engine_adapter.sim.testing import free_port, start_sim  # noqa: E402
-from engine_adapter.types import EngineInfo  # noqa: E402
-
-WORDS = ["alpha", "beta", "gamma", "delta", "ledger", "token", "invoice", "meter", "quota", "region", "tenant", "cache", "prefix", "engine", "router", "budget", "tier", "plan", "credit", "usage", "stream", "batch", "flex", "priority", "zone"]
+WORDS = ("alpha beta gamma delta ledger token invoice meter quota region tenant cache prefix "
+         "engine router budget tier plan credit usage stream batch flex priority zone").split()
 
 
 def log(msg: str) -> None:
@@ -92,7 +92,7 @@ def max_possible_hit_rate(convs: list[Conversation]) -> float:
             text = render(messages)
             best = 0
             for earlier in seen.get(conv.tenant, ()):
-                n = commonpath([earlier, text])
+                n = os.path.commonprefix([earlier, text])  # noqa: RUF071 - characters on purpose
                 best = max(best, len(n))
             hit += min(best, len(text) - 1)
             total += len(text)
