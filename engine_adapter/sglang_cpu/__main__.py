@@ -87,8 +87,8 @@ def _check(root: Path | None) -> int:
                 server.kill()
     tokens = result["meta_info"]["completion_tokens"]
     print(  # noqa: T201
-        f"[sglang-cpu] check ok: healthy after {waited:.1f}s, generated {tokens} tokens, "
-        f"model {info}, total {time.monotonic() - started:.1f}s"
+        f"[sglang-cpu] check ok: healthy after {waited:.1f}s, generated {tokens} tokens with "
+        f"{info['architectures']} from {info['model_path']}, {time.monotonic() - started:.1f}s"
     )
     return 0
 

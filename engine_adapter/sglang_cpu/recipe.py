@@ -18,6 +18,8 @@ it runs under the platform's Python, never inside the SGLang venv.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,12 +201,6 @@ def _check_host(paths: SglangPaths) -> None:
             f"{platform.machine()}. Use the engine simulator (engine_adapter/sim) here instead."
         )
     paths.root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(paths.root).free
-    if free < MIN_FREE_BYTES:
-        raise SetupError(
-            f"Only {free / 1024**3:.1f} GiB free under {paths.root}; the SGLang venv needs about "
-            f"{MIN_FREE_BYTES / 1024**3:.0f} GiB. Free some space or pass --root elsewhere."
-        )
     # Keep everything under the root out of git, whatever the repository's .gitignore says.
     ignore = paths.root / ".gitignore"
     if not ignore.exists():
@@ -224,6 +220,12 @@ def _build_venv(paths: SglangPaths, log: Log) -> None:
     if paths.venv.exists():
         log(f"venv: recipe changed, removing the old {paths.venv}")
         shutil.rmtree(paths.venv)
+    free = shutil.disk_usage(paths.root).free
+    if free < MIN_FREE_BYTES:
+        raise SetupError(
+            f"Only {free / 1024**3:.1f} GiB free under {paths.root}; the SGLang venv needs about "
+            f"{MIN_FREE_BYTES / 1024**3:.0f} GiB. Free some space or pass --root elsewhere."
+        )
     log(f"venv: creating {paths.venv} with {sys.executable}")
     _run_logged([sys.executable, "-m", "venv", str(paths.venv)], paths.logs / "venv-create.log")
     pins = sum(
@@ -279,6 +281,21 @@ def _build_model(paths: SglangPaths, log: Log) -> None:
     tmp.rename(paths.model_dir)
 
 
+@contextlib.contextmanager
+def _exclusive(paths: SglangPaths, log: Log) -> Iterator[None]:
+    """Hold the root's set-up lock, so concurrent setups (tests, fleet up) build once."""
+    with (paths.root / ".setup.lock").open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another setup is running on this root; waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 _STEPS: dict[str, Callable[[SglangPaths, Log], None]] = {
     "shim": _build_shim,
     "venv": _build_venv,
@@ -291,17 +308,18 @@ def setup(root: Path | str | None = None, *, log: Log = _print_log) -> SglangPat
     paths = resolve_paths(root)
     started = time.monotonic()
     _check_host(paths)
-    hashes = _step_hashes()
-    stale = set(stale_steps(paths.root))
-    for step, build in _STEPS.items():
-        if step not in stale:
-            log(f"{step}: up to date, skipped")
-            continue
-        step_started = time.monotonic()
-        build(paths, log)
-        seconds = time.monotonic() - step_started
-        _write_stamp(paths, step, hashes[step], seconds)
-        log(f"{step}: done in {seconds:.1f}s")
+    with _exclusive(paths, log):
+        hashes = _step_hashes()
+        stale = set(stale_steps(paths.root))
+        for step, build in _STEPS.items():
+            if step not in stale:
+                log(f"{step}: up to date, skipped")
+                continue
+            step_started = time.monotonic()
+            build(paths, log)
+            seconds = time.monotonic() - step_started
+            _write_stamp(paths, step, hashes[step], seconds)
+            log(f"{step}: done in {seconds:.1f}s")
     total = time.monotonic() - started
     log(f"ready in {total:.1f}s: python={paths.python} model={paths.model_dir}")
     return paths
