@@ -55,3 +55,50 @@ def make_key(project: Project | None = None, **kwargs) -> tuple:
     kwargs.setdefault("name", "test key")
     kwargs.setdefault("scopes", ["inference"])
     return services.api_key_create(project=project, **kwargs)
+
+
+# --- plans: price books and plans (made through the services, which own the rules) ----------
+
+import itertools  # noqa: E402 - appended section, imports kept with it
+from datetime import UTC, datetime  # noqa: E402
+
+_plan_codes = itertools.count(1)
+
+PRICES_FROM = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def make_price_book(*, currency: str = "USD", code: str | None = None, prices=None,
+                    effective_from=PRICES_FROM, is_default: bool = True, **multipliers):
+    """Create a price book with one version; ``prices`` are dicts of per-1M decimal strings.
+
+    ``multipliers`` may hold ``tier_multipliers`` / ``zone_multipliers`` maps.
+    """
+    from plans import services as plan_services
+
+    book = plan_services.price_book_create(
+        code=code or f"book-{currency.lower()}-{next(_plan_codes)}",
+        name=f"{currency} test prices", currency=currency, is_default=is_default)
+    plan_services.price_version_create(
+        price_book=book, effective_from=effective_from, allow_backdate=True,
+        prices=prices if prices is not None else [
+            {"model": "test-model", "input": "1.00", "output": "2.00"}],
+        **multipliers)
+    return book
+
+
+def make_token_plan(**overrides):
+    """Create a token plan (1000 credits/period, 300 per 5 h, overage) for ``test-model``."""
+    from plans import services as plan_services
+
+    fields = {
+        "code": f"tp-{next(_plan_codes)}", "name": "Test token plan",
+        "kind": "token_plan", "monthly_fee": "10.00", "credits_per_period": "1000",
+        "window_credits": "300", "window_hours": 5, "cap_policy": "overage",
+        "coefficients": [
+            {"model": "test-model", "token_class": "input", "coefficient": "1"},
+            {"model": "test-model", "token_class": "cached_input", "coefficient": "0.1"},
+            {"model": "test-model", "token_class": "output", "coefficient": "3"},
+        ],
+    }
+    fields.update(overrides)
+    return plan_services.plan_create(**fields)

@@ -1,0 +1,373 @@
+"""Plans management API (/api/v1/): catalog (staff write), what a customer holds, quotes.
+
+Catalog endpoints (price books, plans, provisioned offerings) are readable by any signed-in
+caller (customers see the public part) and writable by staff. Organization endpoints resolve the
+organization first, so a non-member gets 404 whatever the method; members read, staff write
+(a member's write is 403). Views stay thin: validate, call one service or selector, serialize.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from billing_platform.accounts.apis import OrgScopedView
+from billing_platform.accounts.choices import Role
+from billing_platform.accounts.models import Organization
+from billing_platform.accounts.selectors import OrgAccess, org_access
+from billing_platform.errors import InvalidRequest, NotFound
+from plans import selectors, services
+from plans import serializers as s
+from plans.models import CreditPack, Plan, PriceBook, PriceVersion, Reservation, Subscription
+from plans.rating import quote
+
+STAFF = "staff"
+
+
+def is_staff(user: Any) -> bool:
+    """Return True for a signed-in staff person (an API key is never staff)."""
+    return bool(getattr(user, "is_staff", False)) and not hasattr(user, "principal")
+
+
+class StaffWriteView(APIView):
+    """Catalog endpoints: anyone signed in reads, only staff write."""
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and not is_staff(request.user):
+            raise exceptions.PermissionDenied("Only Tollgate staff can change the catalog.")
+
+    @property
+    def staff(self) -> bool:
+        return is_staff(self.request.user)
+
+
+class PlansOrgView(OrgScopedView):
+    """Organization endpoints: staff act on every organization; ``"staff"`` marks staff-only."""
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        needed = self.permission_for.get(request.method or "GET", "read")
+        if is_staff(request.user):
+            APIView.initial(self, request, *args, **kwargs)
+            org = Organization.objects.filter(public_id=kwargs["org_id"]).first()
+            if org is None:
+                raise NotFound("No such organization.")
+            self.access = OrgAccess(org, Role.OWNER)
+            return
+        if needed == STAFF:
+            # Resolve membership first (non-members get 404), then refuse the write.
+            self.permission_for = {**self.permission_for, request.method or "GET": "read"}
+            super().initial(request, *args, **kwargs)
+            raise exceptions.PermissionDenied("Only Tollgate staff can change this.")
+        super().initial(request, *args, **kwargs)
+
+
+# --- price books -------------------------------------------------------------------------------
+
+class PriceBookListApi(StaffWriteView):
+    @extend_schema(responses=s.PriceBookSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        books = selectors.price_books_visible(staff=self.staff)
+        return Response({"object": "list",
+                         "data": s.PriceBookSerializer(books, many=True).data})
+
+    @extend_schema(request=s.PriceBookSerializer, responses={201: s.PriceBookSerializer})
+    def post(self, request: Request) -> Response:
+        body = s.PriceBookSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        book = services.price_book_create(**body.validated_data)
+        return Response(s.PriceBookSerializer(book).data, status=status.HTTP_201_CREATED)
+
+
+def _versions(book: PriceBook):
+    return (PriceVersion.objects.filter(price_book=book)
+            .prefetch_related("prices__bands", "multipliers").order_by("-effective_from"))
+
+
+class PriceBookDetailApi(StaffWriteView):
+    def book(self, code: str) -> PriceBook:
+        return get_object_or_404(selectors.price_books_visible(staff=self.staff), code=code)
+
+    @extend_schema(responses=s.PriceBookSerializer)
+    def get(self, request: Request, code: str) -> Response:
+        book = self.book(code)
+        data = s.PriceBookSerializer(book).data
+        current = selectors.price_version_at(price_book=book)
+        data["current_version"] = (
+            s.PriceVersionSerializer(_versions(book).get(pk=current.pk)).data
+            if current else None)
+        return Response(data)
+
+
+class PriceVersionListApi(PriceBookDetailApi):
+    @extend_schema(responses=s.PriceVersionSerializer(many=True))
+    def get(self, request: Request, code: str) -> Response:
+        versions = _versions(self.book(code))
+        return Response({"object": "list",
+                         "data": s.PriceVersionSerializer(versions, many=True).data})
+
+    @extend_schema(request=s.PriceVersionCreateSerializer,
+                   responses={201: s.PriceVersionSerializer})
+    def post(self, request: Request, code: str) -> Response:
+        body = s.PriceVersionCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        book = self.book(code)
+        version = services.price_version_create(price_book=book, **body.validated_data)
+        return Response(s.PriceVersionSerializer(_versions(book).get(pk=version.pk)).data,
+                        status=status.HTTP_201_CREATED)
+
+
+class PriceVersionDetailApi(PriceBookDetailApi):
+    @extend_schema(responses=s.PriceVersionSerializer)
+    def get(self, request: Request, code: str, version_id: int) -> Response:
+        version = get_object_or_404(_versions(self.book(code)), pk=version_id)
+        return Response(s.PriceVersionSerializer(version).data)
+
+
+# --- plans and offerings -----------------------------------------------------------------------
+
+class PlanListApi(StaffWriteView):
+    @extend_schema(responses=s.PlanSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        plans = selectors.plans_visible(staff=self.staff)
+        return Response({"object": "list", "data": s.PlanSerializer(plans, many=True).data})
+
+    @extend_schema(request=s.PlanSerializer, responses={201: s.PlanSerializer})
+    def post(self, request: Request) -> Response:
+        body = s.PlanSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        plan = services.plan_create(**body.validated_data)
+        return Response(s.PlanSerializer(plan).data, status=status.HTTP_201_CREATED)
+
+
+class PlanDetailApi(StaffWriteView):
+    def plan(self, code: str) -> Plan:
+        return get_object_or_404(selectors.plans_visible(staff=self.staff), code=code)
+
+    @extend_schema(responses=s.PlanSerializer)
+    def get(self, request: Request, code: str) -> Response:
+        return Response(s.PlanSerializer(self.plan(code)).data)
+
+    @extend_schema(request=s.PlanUpdateSerializer, responses=s.PlanSerializer)
+    def patch(self, request: Request, code: str) -> Response:
+        body = s.PlanUpdateSerializer(data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        plan = services.plan_update(plan=self.plan(code), **body.validated_data)
+        return Response(s.PlanSerializer(Plan.objects.get(pk=plan.pk)).data)
+
+
+class CreditPackListApi(PlanDetailApi):
+    @extend_schema(request=s.CreditPackCreateSerializer, responses={201: s.CreditPackSerializer})
+    def post(self, request: Request, code: str) -> Response:
+        body = s.CreditPackCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        pack = services.credit_pack_create(plan=self.plan(code), **body.validated_data)
+        return Response(s.CreditPackSerializer(pack).data, status=status.HTTP_201_CREATED)
+
+
+class OfferingListApi(StaffWriteView):
+    @extend_schema(responses=s.ProvisionedOfferingSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        offerings = selectors.offerings_visible(staff=self.staff)
+        return Response({"object": "list",
+                         "data": s.ProvisionedOfferingSerializer(offerings, many=True).data})
+
+    @extend_schema(request=s.ProvisionedOfferingSerializer,
+                   responses={201: s.ProvisionedOfferingSerializer})
+    def post(self, request: Request) -> Response:
+        body = s.ProvisionedOfferingSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        offering = services.provisioned_offering_create(**body.validated_data)
+        return Response(s.ProvisionedOfferingSerializer(offering).data,
+                        status=status.HTTP_201_CREATED)
+
+
+# --- an organization's subscription, packs, reservations, credit -------------------------------
+
+def _subscription_body(subscription: Subscription | None) -> dict[str, Any]:
+    if subscription is None:
+        return {"object": "subscription", "plan": None, "plan_kind": "on_demand",
+                "token_plan": None}
+    data = dict(s.SubscriptionSerializer(subscription).data)
+    data["object"] = "subscription"
+    status_ = selectors.token_plan_status(subscription=subscription)
+    data["token_plan"] = s.TokenPlanStatusSerializer(status_).data if status_ else None
+    return data
+
+
+class CurrentSubscriptionApi(PlansOrgView):
+    permission_for = {"GET": "read"}
+
+    @extend_schema(responses=s.SubscriptionSerializer,
+                   description="The plan in force now and, for a token plan, the credits left.")
+    def get(self, request: Request, org_id: str) -> Response:
+        return Response(_subscription_body(selectors.subscription_at(organization=self.org)))
+
+
+class SubscriptionListApi(PlansOrgView):
+    permission_for = {"GET": "read", "POST": STAFF}
+
+    @extend_schema(responses=s.SubscriptionSerializer(many=True))
+    def get(self, request: Request, org_id: str) -> Response:
+        subs = self.org.subscriptions.select_related("plan").order_by("-starts_at")
+        return Response({"object": "list",
+                         "data": s.SubscriptionSerializer(subs, many=True).data})
+
+    @extend_schema(request=s.SubscriptionCreateSerializer,
+                   responses={201: s.SubscriptionSerializer})
+    def post(self, request: Request, org_id: str) -> Response:
+        body = s.SubscriptionCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        sub = services.subscription_create(organization=self.org, **body.validated_data)
+        return Response(s.SubscriptionSerializer(sub).data, status=status.HTTP_201_CREATED)
+
+
+class SubscriptionCancelApi(PlansOrgView):
+    permission_for = {"POST": STAFF}
+
+    @extend_schema(request=s.CancelSerializer, responses=s.SubscriptionSerializer)
+    def post(self, request: Request, org_id: str, sub_id: str) -> Response:
+        body = s.CancelSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        sub = get_object_or_404(Subscription, organization=self.org, public_id=sub_id)
+        sub = services.subscription_cancel(subscription=sub, **body.validated_data)
+        return Response(s.SubscriptionSerializer(sub).data)
+
+
+class PackPurchaseListApi(PlansOrgView):
+    permission_for = {"GET": "read", "POST": "org.write"}
+
+    def current(self) -> Subscription:
+        sub = selectors.subscription_at(organization=self.org)
+        if sub is None:
+            raise InvalidRequest("The organization has no subscription.", code="no_subscription")
+        return sub
+
+    @extend_schema(responses=s.PackPurchaseSerializer(many=True))
+    def get(self, request: Request, org_id: str) -> Response:
+        sub = selectors.subscription_at(organization=self.org)
+        purchases = (sub.pack_purchases.select_related("pack").order_by("-purchased_at")
+                     if sub else [])
+        return Response({"object": "list",
+                         "data": s.PackPurchaseSerializer(purchases, many=True).data})
+
+    @extend_schema(request=s.PackPurchaseCreateSerializer,
+                   responses={201: s.PackPurchaseSerializer},
+                   description="Buy a credit pack of the current plan; billed on the next "
+                               "invoice.")
+    def post(self, request: Request, org_id: str) -> Response:
+        body = s.PackPurchaseCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        sub = self.current()
+        pack = get_object_or_404(CreditPack, plan=sub.plan, code=body.validated_data["pack"])
+        purchase = services.credit_pack_purchase(subscription=sub, pack=pack)
+        return Response(s.PackPurchaseSerializer(purchase).data, status=status.HTTP_201_CREATED)
+
+
+class ReservationListApi(PlansOrgView):
+    permission_for = {"GET": "read", "POST": STAFF}
+
+    @extend_schema(responses=s.ReservationSerializer(many=True))
+    def get(self, request: Request, org_id: str) -> Response:
+        rows = selectors.reservations_of(organization=self.org).select_related("offering")
+        return Response({"object": "list",
+                         "data": s.ReservationSerializer(rows, many=True).data})
+
+    @extend_schema(request=s.ReservationCreateSerializer,
+                   responses={201: s.ReservationSerializer})
+    def post(self, request: Request, org_id: str) -> Response:
+        body = s.ReservationCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        reservation = services.reservation_create(organization=self.org, **body.validated_data)
+        return Response(s.ReservationSerializer(reservation).data,
+                        status=status.HTTP_201_CREATED)
+
+
+class ReservationDetailApi(PlansOrgView):
+    permission_for = {"GET": "read", "PATCH": STAFF}
+
+    def reservation(self, reservation_id: str) -> Reservation:
+        return get_object_or_404(Reservation.objects.select_related("offering"),
+                                 organization=self.org, public_id=reservation_id)
+
+    @extend_schema(responses=s.ReservationSerializer)
+    def get(self, request: Request, org_id: str, reservation_id: str) -> Response:
+        return Response(s.ReservationSerializer(self.reservation(reservation_id)).data)
+
+    @extend_schema(request=s.ReservationUpdateSerializer, responses=s.ReservationSerializer)
+    def patch(self, request: Request, org_id: str, reservation_id: str) -> Response:
+        body = s.ReservationUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        reservation = services.reservation_update(
+            reservation=self.reservation(reservation_id), **body.validated_data)
+        return Response(s.ReservationSerializer(reservation).data)
+
+
+class CreditGrantListApi(PlansOrgView):
+    permission_for = {"GET": "billing.read", "POST": STAFF}
+
+    @extend_schema(responses=s.CreditGrantSerializer(many=True),
+                   description="Grants and the unexpired balance per currency.")
+    def get(self, request: Request, org_id: str) -> Response:
+        grants = selectors.credit_grants_of(organization=self.org)
+        balance = selectors.credit_balance(organization=self.org)
+        return Response({"object": "list",
+                         "balance": {cur: str(v) for cur, v in balance.items()},
+                         "data": s.CreditGrantSerializer(grants, many=True).data})
+
+    @extend_schema(request=s.CreditGrantCreateSerializer,
+                   responses={201: s.CreditGrantSerializer})
+    def post(self, request: Request, org_id: str) -> Response:
+        body = s.CreditGrantCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        grant = services.credit_grant_create(organization=self.org, created_by=request.user,
+                                             **body.validated_data)
+        return Response(s.CreditGrantSerializer(grant).data, status=status.HTTP_201_CREATED)
+
+
+# --- quote -------------------------------------------------------------------------------------
+
+class QuoteApi(APIView):
+    """``POST /api/v1/pricing/quote``: price hypothetical token counts under the caller's plan."""
+
+    @extend_schema(request=s.QuoteRequestSerializer, responses=s.QuoteSerializer)
+    def post(self, request: Request) -> Response:
+        body = s.QuoteRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+        org = self._organization(request, data.pop("organization", None))
+        rating = quote(org_id=org.pk, **data)
+        return Response(s.QuoteSerializer({
+            "model": data["model"], "currency": rating.currency, "amount": rating.amount,
+            "breakdown": rating.breakdown, "credits_consumed": rating.credits_consumed,
+            "normalized_tokens": rating.normalized_tokens,
+            "capacity_source": rating.capacity_source, "rating_kind": rating.rating_kind,
+            "price_version_id": rating.price_version_id,
+        }).data)
+
+    def _organization(self, request: Request, org_public_id: str | None) -> Organization:
+        principal = getattr(request.user, "principal", None)
+        if principal is not None:
+            if org_public_id not in (None, principal.org_public_id):
+                raise NotFound("No such organization.")
+            return Organization.objects.get(pk=principal.org_id)
+        if org_public_id is None:
+            orgs = list(request.user.memberships.values_list("organization__public_id",
+                                                             flat=True)[:2])
+            if len(orgs) != 1:
+                raise InvalidRequest("Say which organization to quote for.",
+                                     param="organization")
+            org_public_id = orgs[0]
+        if is_staff(request.user):
+            org = Organization.objects.filter(public_id=org_public_id).first()
+            if org is None:
+                raise NotFound("No such organization.")
+            return org
+        return org_access(user=request.user, principal=None,
+                          org_public_id=org_public_id).organization

@@ -1,0 +1,167 @@
+"""Reads of the plans app: what is in force, what a customer holds, what is left of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.db.models import Min, Q, QuerySet, Sum
+from django.utils import timezone
+
+from billing_platform.accounts.models import Organization
+from plans.choices import PlanKind, ReservationTerm
+from plans.models import (
+    CreditGrant,
+    CreditPackPurchase,
+    Plan,
+    PriceBook,
+    PriceVersion,
+    ProvisionedOffering,
+    Reservation,
+    Subscription,
+    TokenPlanPeriod,
+    TokenPlanUsage,
+)
+from plans.periods import add_months, period_bounds
+
+ZERO = Decimal("0")
+
+
+def price_books_visible(*, staff: bool) -> QuerySet[PriceBook]:
+    """Return the books a caller may read: staff all, customers the public default books."""
+    books = PriceBook.objects.order_by("currency", "code")
+    return books if staff else books.filter(is_default=True)
+
+
+def price_version_at(*, price_book: PriceBook, at: datetime | None = None
+                     ) -> PriceVersion | None:
+    """Return the version of ``price_book`` in force at ``at`` (default now)."""
+    return (PriceVersion.objects.filter(price_book=price_book,
+                                        effective_from__lte=at or timezone.now())
+            .order_by("-effective_from").first())
+
+
+def plans_visible(*, staff: bool) -> QuerySet[Plan]:
+    """Return the plans a caller may read: staff all, customers the public active ones."""
+    plans = Plan.objects.select_related("price_book").prefetch_related(
+        "coefficients", "credit_packs").order_by("code")
+    return plans if staff else plans.filter(is_public=True, is_active=True)
+
+
+def offerings_visible(*, staff: bool) -> QuerySet[ProvisionedOffering]:
+    """Return provisioned offerings: staff all, customers the active ones."""
+    offerings = ProvisionedOffering.objects.order_by("code")
+    return offerings if staff else offerings.filter(is_active=True)
+
+
+def subscription_at(*, organization: Organization, at: datetime | None = None
+                    ) -> Subscription | None:
+    """Return the organization's subscription covering ``at`` (None: it is on-demand)."""
+    at = at or timezone.now()
+    return (Subscription.objects.select_related("plan")
+            .filter(organization=organization, starts_at__lte=at)
+            .filter(Q(ends_at__isnull=True) | Q(ends_at__gt=at)).first())
+
+
+@dataclass(frozen=True)
+class TokenPlanStatus:
+    """Credits of a token-plan subscription at one instant (what the console shows)."""
+
+    period_start: datetime
+    period_end: datetime
+    period_credits: Decimal
+    period_used: Decimal
+    window_hours: int
+    window_credits: Decimal | None
+    window_used: Decimal
+    window_frees_at: datetime | None  # when the oldest credits in the window drop out
+    pack_credits_left: Decimal
+    overage_credits: Decimal
+    cap_policy: str
+
+    @property
+    def plan_credits_left(self) -> Decimal:
+        left = self.period_credits - self.period_used
+        if self.window_credits is not None:
+            left = min(left, self.window_credits - self.window_used)
+        return max(left, ZERO)
+
+    @property
+    def credits_left(self) -> Decimal:
+        return self.plan_credits_left + self.pack_credits_left
+
+
+def token_plan_status(*, subscription: Subscription, at: datetime | None = None
+                      ) -> TokenPlanStatus | None:
+    """Return the credits used and left now; None for a subscription that is not a token plan."""
+    plan = subscription.plan
+    if plan.kind != PlanKind.TOKEN_PLAN:
+        return None
+    at = at or timezone.now()
+    start, end = period_bounds(subscription.billing_anchor, at)
+    period = TokenPlanPeriod.objects.filter(subscription=subscription, period_start=start).first()
+    window_from = at - timedelta(hours=plan.window_hours)
+    window = (TokenPlanUsage.objects
+              .filter(subscription=subscription, event_time__gt=window_from, event_time__lte=at,
+                      plan_credits__gt=0)
+              .aggregate(used=Sum("plan_credits"), oldest=Min("event_time")))
+    packs = (CreditPackPurchase.objects
+             .filter(subscription=subscription, purchased_at__lte=at)
+             .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=at)))
+    pack_left = sum((p.credits_left for p in packs), ZERO)
+    return TokenPlanStatus(
+        period_start=start, period_end=end, period_credits=plan.credits_per_period or ZERO,
+        period_used=period.plan_credits if period else ZERO, window_hours=plan.window_hours,
+        window_credits=plan.window_credits, window_used=window["used"] or ZERO,
+        window_frees_at=(window["oldest"] + timedelta(hours=plan.window_hours)
+                         if window["oldest"] else None),
+        pack_credits_left=pack_left,
+        overage_credits=period.overage_credits if period else ZERO, cap_policy=plan.cap_policy,
+    )
+
+
+def reservations_of(*, organization: Organization) -> QuerySet[Reservation]:
+    """Return an organization's reservations, newest first."""
+    return Reservation.objects.filter(organization=organization).order_by("-starts_at")
+
+
+def active_reservations(*, organization_id: int, at: datetime | None = None
+                        ) -> QuerySet[Reservation]:
+    """Return the reservations in force at ``at`` (what admission checks capacity against)."""
+    at = at or timezone.now()
+    return Reservation.objects.filter(organization_id=organization_id, starts_at__lte=at,
+                                      ends_at__gt=at)
+
+
+def reservation_fee_for_period(*, reservation: Reservation, period_start: datetime,
+                               period_end: datetime) -> Decimal:
+    """Return the fee of the reservation's terms that start in [period_start, period_end).
+
+    Terms are billed in advance, each in the period it starts in: units x unit price per term.
+    """
+    step_hours = reservation.term == ReservationTerm.HOURLY
+    count = 0
+    for k in range(reservation.term_count):
+        term_start = (reservation.starts_at + timedelta(hours=k) if step_hours
+                      else add_months(reservation.starts_at, k))
+        if period_start <= term_start < period_end:
+            count += 1
+    return reservation.units * reservation.unit_price * count
+
+
+def credit_balance(*, organization: Organization, at: datetime | None = None
+                   ) -> dict[str, Decimal]:
+    """Return unexpired credit left per currency."""
+    at = at or timezone.now()
+    rows = (CreditGrant.objects
+            .filter(organization=organization, remaining__gt=0, granted_at__lte=at)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=at))
+            .values("currency").annotate(total=Sum("remaining")).order_by("currency"))
+    return {r["currency"]: r["total"] for r in rows}
+
+
+def credit_grants_of(*, organization: Organization) -> QuerySet[CreditGrant]:
+    """Return an organization's grants, next to expire first."""
+    return CreditGrant.objects.filter(organization=organization).order_by(
+        "expires_at", "granted_at")

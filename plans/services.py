@@ -1,0 +1,461 @@
+"""Writes of the plans app: price books and versions, plans, subscriptions, reservations, credits.
+
+Every function is keyword-only and named ``<entity>_<verb>``. Rules a user would notice live
+here: a price version may not take effect in the past (events already rated would no longer be
+explainable), one subscription per organization at any instant, grants applied oldest-expiry
+first and once per reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from billing_platform.accounts.models import Organization, User
+from billing_platform.errors import Conflict, InvalidRequest
+from plans.choices import (
+    DEFAULT_TIER_MULTIPLIERS,
+    DEFAULT_ZONE_MULTIPLIERS,
+    MultiplierDimension,
+    PlanKind,
+    ReservationTerm,
+    TokenClass,
+)
+from plans.models import (
+    ContextBand,
+    CreditCoefficient,
+    CreditGrant,
+    CreditGrantApplication,
+    CreditPack,
+    CreditPackPurchase,
+    ModelPrice,
+    Plan,
+    PriceBook,
+    PriceMultiplier,
+    PriceVersion,
+    ProvisionedOffering,
+    Reservation,
+    Subscription,
+)
+from plans.periods import add_months
+
+PRICE_FIELDS = ("input", "cached_input", "output", "cache_write")
+
+
+def _aware(value: datetime, param: str) -> datetime:
+    if timezone.is_naive(value):
+        raise InvalidRequest(f"{param} must be timezone-aware", param=param)
+    return value
+
+
+def _decimal(value: Any, param: str) -> Decimal:
+    if isinstance(value, float):
+        raise InvalidRequest(f"{param}: give money as a string or Decimal, not a float",
+                             param=param)
+    try:
+        result = Decimal(str(value)) if not isinstance(value, Decimal) else value
+    except ArithmeticError as exc:
+        raise InvalidRequest(f"{param}: not a number: {value!r}", param=param) from exc
+    if not result.is_finite() or result < 0:
+        raise InvalidRequest(f"{param} must be a finite number >= 0", param=param)
+    return result
+
+
+# --- price books -------------------------------------------------------------------------------
+
+def price_book_create(*, code: str, name: str, currency: str, is_default: bool = False
+                      ) -> PriceBook:
+    """Create an empty price book; a default book replaces the currency's previous default."""
+    currency = currency.upper()
+    with transaction.atomic():
+        if is_default:
+            PriceBook.objects.filter(currency=currency, is_default=True).update(is_default=False)
+        return PriceBook.objects.create(code=code, name=name, currency=currency,
+                                        is_default=is_default)
+
+
+@dataclass(frozen=True)
+class ModelPriceSpec:
+    """Prices of one model in a new version: per 1M tokens, decimals (strings are fine)."""
+
+    model: str
+    input: Decimal
+    output: Decimal
+    cached_input: Decimal | None = None
+    cache_write: Decimal | None = None
+    bands: tuple[Mapping[str, Any], ...] = ()  # {"above_prompt_tokens": N, "input": ..., ...}
+
+
+def _spec(raw: ModelPriceSpec | Mapping[str, Any]) -> ModelPriceSpec:
+    if isinstance(raw, ModelPriceSpec):
+        return raw
+    model = str(raw.get("model", "")).strip()
+    if not model:
+        raise InvalidRequest("every price needs a model", param="prices")
+    return ModelPriceSpec(
+        model=model, input=_decimal(raw["input"], f"{model}.input"),
+        output=_decimal(raw["output"], f"{model}.output"),
+        cached_input=(None if raw.get("cached_input") is None
+                      else _decimal(raw["cached_input"], f"{model}.cached_input")),
+        cache_write=(None if raw.get("cache_write") is None
+                     else _decimal(raw["cache_write"], f"{model}.cache_write")),
+        bands=tuple(raw.get("bands") or ()),
+    )
+
+
+def price_version_create(
+    *,
+    price_book: PriceBook,
+    effective_from: datetime,
+    prices: Iterable[ModelPriceSpec | Mapping[str, Any]] = (),
+    tier_multipliers: Mapping[str, Any] | None = None,
+    zone_multipliers: Mapping[str, Any] | None = None,
+    remove_models: Iterable[str] = (),
+    note: str = "",
+    allow_backdate: bool = False,
+) -> PriceVersion:
+    """Create the version of ``price_book`` in force from ``effective_from``.
+
+    It starts as a copy of the version in force just before (prices, bands, multipliers), then
+    ``prices`` replace or add models, ``remove_models`` delist models, and the multiplier maps
+    replace single factors. A first version starts from the default multipliers. Taking effect
+    in the past is refused unless ``allow_backdate`` (seeding, tests): events already rated
+    keep the version they were rated with.
+    """
+    _aware(effective_from, "effective_from")
+    if not allow_backdate and effective_from < timezone.now():
+        raise InvalidRequest("A price version cannot take effect in the past.",
+                             param="effective_from")
+    specs = [_spec(p) for p in prices]
+    with transaction.atomic():
+        PriceBook.objects.select_for_update().get(pk=price_book.pk)
+        if PriceVersion.objects.filter(price_book=price_book,
+                                       effective_from=effective_from).exists():
+            raise Conflict("A version of this book already takes effect at that instant.",
+                           param="effective_from")
+        previous = (PriceVersion.objects.filter(price_book=price_book,
+                                                effective_from__lt=effective_from)
+                    .order_by("-effective_from").first())
+        version = PriceVersion.objects.create(price_book=price_book,
+                                              effective_from=effective_from, note=note)
+        tiers = dict(DEFAULT_TIER_MULTIPLIERS)
+        zones = dict(DEFAULT_ZONE_MULTIPLIERS)
+        replaced = {s.model for s in specs} | set(remove_models)
+        if previous is not None:
+            tiers = {}
+            zones = {}
+            for m in previous.multipliers.all():
+                (tiers if m.dimension == MultiplierDimension.TIER else zones)[m.key] = m.factor
+            for old in previous.prices.exclude(model__in=replaced).prefetch_related("bands"):
+                _copy_model_price(old, version)
+        tiers.update({k: _decimal(v, f"tier.{k}") for k, v in (tier_multipliers or {}).items()})
+        zones.update({k: _decimal(v, f"zone.{k}") for k, v in (zone_multipliers or {}).items()})
+        PriceMultiplier.objects.bulk_create(
+            [PriceMultiplier(version=version, dimension=MultiplierDimension.TIER, key=k,
+                             factor=v) for k, v in sorted(tiers.items())]
+            + [PriceMultiplier(version=version, dimension=MultiplierDimension.ZONE, key=k,
+                               factor=v) for k, v in sorted(zones.items())])
+        for spec in specs:
+            row = ModelPrice.objects.create(
+                version=version, model=spec.model, input=spec.input, output=spec.output,
+                cached_input=spec.cached_input, cache_write=spec.cache_write)
+            for band in spec.bands:
+                above = int(band["above_prompt_tokens"])
+                ContextBand.objects.create(
+                    model_price=row, above_prompt_tokens=above,
+                    input=_decimal(band["input"], f"{spec.model}.band.input"),
+                    output=_decimal(band["output"], f"{spec.model}.band.output"),
+                    cached_input=(None if band.get("cached_input") is None else
+                                  _decimal(band["cached_input"], f"{spec.model}.band.cached")),
+                    cache_write=(None if band.get("cache_write") is None else
+                                 _decimal(band["cache_write"], f"{spec.model}.band.write")),
+                )
+        return version
+
+
+def _copy_model_price(old: ModelPrice, version: PriceVersion) -> None:
+    bands = list(old.bands.all())
+    old.pk = None
+    old.version = version
+    old.save()
+    for band in bands:
+        band.pk = None
+        band.model_price = old
+        band.save()
+
+
+# --- plans -------------------------------------------------------------------------------------
+
+def plan_create(
+    *,
+    code: str,
+    name: str,
+    kind: str,
+    currency: str = "USD",
+    price_book: PriceBook | None = None,
+    monthly_fee: Decimal | str = "0",
+    credits_per_period: Decimal | str | None = None,
+    window_credits: Decimal | str | None = None,
+    window_hours: int = 5,
+    cap_policy: str = "block",
+    coefficients: Iterable[Mapping[str, Any]] = (),
+    description: str = "",
+    is_public: bool = True,
+) -> Plan:
+    """Create a plan; a token plan needs credits per period and at least one coefficient."""
+    coefficients = list(coefficients)
+    if kind == PlanKind.TOKEN_PLAN:
+        if credits_per_period is None:
+            raise InvalidRequest("A token plan needs credits_per_period.",
+                                 param="credits_per_period")
+        if not coefficients:
+            raise InvalidRequest("A token plan needs credit coefficients.",
+                                 param="coefficients")
+    if price_book is not None and price_book.currency != currency.upper():
+        raise InvalidRequest("The price book's currency differs from the plan's.",
+                             param="price_book")
+    with transaction.atomic():
+        plan = Plan.objects.create(
+            code=code, name=name, kind=kind, currency=currency.upper(), price_book=price_book,
+            monthly_fee=_decimal(monthly_fee, "monthly_fee"),
+            credits_per_period=(None if credits_per_period is None
+                                else _decimal(credits_per_period, "credits_per_period")),
+            window_credits=(None if window_credits is None
+                            else _decimal(window_credits, "window_credits")),
+            window_hours=window_hours, cap_policy=cap_policy, description=description,
+            is_public=is_public,
+        )
+        plan_set_coefficients(plan=plan, coefficients=coefficients)
+        return plan
+
+
+def plan_update(*, plan: Plan, **fields: Any) -> Plan:
+    """Change a plan's editable terms (applies to its subscriptions from now on)."""
+    coefficients = fields.pop("coefficients", None)
+    allowed = {"name", "description", "monthly_fee", "credits_per_period", "window_credits",
+               "window_hours", "cap_policy", "is_public", "is_active"}
+    unknown = set(fields) - allowed
+    if unknown:
+        raise InvalidRequest(f"Not editable: {', '.join(sorted(unknown))}")
+    for name in ("monthly_fee", "credits_per_period", "window_credits"):
+        if fields.get(name) is not None:
+            fields[name] = _decimal(fields[name], name)
+    with transaction.atomic():
+        for name, value in fields.items():
+            setattr(plan, name, value)
+        plan.save()
+        if coefficients is not None:
+            plan_set_coefficients(plan=plan, coefficients=coefficients)
+    return plan
+
+
+def plan_set_coefficients(*, plan: Plan, coefficients: Iterable[Mapping[str, Any]]) -> None:
+    """Replace a plan's credit coefficients: rows of {model, token_class, coefficient}."""
+    rows = []
+    for c in coefficients:
+        cls = c["token_class"]
+        if cls not in TokenClass.values:
+            raise InvalidRequest(f"Unknown token class {cls!r}", param="coefficients")
+        rows.append(CreditCoefficient(
+            plan=plan, model=c.get("model") or "*", token_class=cls,
+            coefficient=_decimal(c["coefficient"], f"coefficient.{cls}")))
+    plan.coefficients.all().delete()
+    CreditCoefficient.objects.bulk_create(rows)
+
+
+def credit_pack_create(*, plan: Plan, code: str, name: str, credits: Decimal | str,
+                       price: Decimal | str, validity_days: int | None = None) -> CreditPack:
+    """Offer a credit pack on a token plan."""
+    if plan.kind != PlanKind.TOKEN_PLAN:
+        raise InvalidRequest("Credit packs belong to token plans.", param="plan")
+    return CreditPack.objects.create(
+        plan=plan, code=code, name=name, credits=_decimal(credits, "credits"),
+        price=_decimal(price, "price"), validity_days=validity_days)
+
+
+# --- subscriptions -----------------------------------------------------------------------------
+
+def subscription_create(
+    *,
+    organization: Organization,
+    plan: Plan,
+    starts_at: datetime | None = None,
+    ends_at: datetime | None = None,
+    billing_anchor: datetime | None = None,
+    data_zone: str | None = None,
+) -> Subscription:
+    """Put an organization on a plan from ``starts_at``; the subscription before it ends then.
+
+    A subscription that starts later than ``starts_at`` is a conflict (cancel it first).
+    """
+    starts_at = _aware(starts_at or timezone.now(), "starts_at")
+    if ends_at is not None and _aware(ends_at, "ends_at") <= starts_at:
+        raise InvalidRequest("ends_at must be after starts_at", param="ends_at")
+    if not plan.is_active:
+        raise InvalidRequest("This plan is no longer offered.", param="plan")
+    with transaction.atomic():
+        Organization.objects.select_for_update().get(pk=organization.pk)
+        current = Subscription.objects.filter(organization=organization)
+        if current.filter(starts_at__gte=starts_at).exists():
+            raise Conflict("A subscription starts at or after that time; cancel it first.",
+                           param="starts_at")
+        current.filter(starts_at__lt=starts_at).filter(
+            Q(ends_at__isnull=True) | Q(ends_at__gt=starts_at)).update(ends_at=starts_at)
+        return Subscription.objects.create(
+            organization=organization, plan=plan, starts_at=starts_at, ends_at=ends_at,
+            billing_anchor=billing_anchor or starts_at,
+            data_zone=data_zone or organization.data_zone)
+
+
+def subscription_cancel(*, subscription: Subscription, at: datetime | None = None
+                        ) -> Subscription:
+    """End a subscription at ``at`` (default now); the organization is on-demand after it."""
+    at = _aware(at or timezone.now(), "at")
+    if at <= subscription.starts_at:
+        raise InvalidRequest("Cannot end a subscription before it starts.", param="at")
+    if subscription.ends_at is not None and subscription.ends_at <= at:
+        return subscription
+    subscription.ends_at = at
+    subscription.save(update_fields=["ends_at"])
+    return subscription
+
+
+def credit_pack_purchase(*, subscription: Subscription, pack: CreditPack,
+                         at: datetime | None = None) -> CreditPackPurchase:
+    """Record a bought credit pack; its price is charged on the next invoice."""
+    at = _aware(at or timezone.now(), "at")
+    if pack.plan_id != subscription.plan_id or not pack.is_active:
+        raise InvalidRequest("This pack is not offered on the subscription's plan.",
+                             param="pack")
+    if not subscription.covers(at):
+        raise InvalidRequest("The subscription is not active.", param="subscription")
+    expires = at + timedelta(days=pack.validity_days) if pack.validity_days else None
+    if subscription.ends_at is not None:
+        expires = min(expires or subscription.ends_at, subscription.ends_at)
+    return CreditPackPurchase.objects.create(
+        subscription=subscription, pack=pack, credits=pack.credits, price=pack.price,
+        currency=subscription.plan.currency, purchased_at=at, expires_at=expires)
+
+
+# --- provisioned -------------------------------------------------------------------------------
+
+def provisioned_offering_create(**fields: Any) -> ProvisionedOffering:
+    """Offer provisioned throughput of a model in a region."""
+    for name in ("cache_burndown", "output_burndown", "hourly_unit_price", "monthly_unit_price"):
+        if name in fields:
+            fields[name] = _decimal(fields[name], name)
+    return ProvisionedOffering.objects.create(**fields)
+
+
+def reservation_create(
+    *,
+    organization: Organization,
+    offering: ProvisionedOffering,
+    units: int,
+    term: str,
+    term_count: int = 1,
+    starts_at: datetime | None = None,
+    overflow_policy: str = "spillover",
+) -> Reservation:
+    """Reserve ``units`` of an offering for ``term_count`` terms, copying its current terms."""
+    starts_at = _aware(starts_at or timezone.now(), "starts_at")
+    if not offering.is_active:
+        raise InvalidRequest("This offering is no longer sold.", param="offering")
+    if units < offering.min_units:
+        raise InvalidRequest(f"At least {offering.min_units} units.", param="units")
+    if term_count < 1:
+        raise InvalidRequest("term_count must be >= 1", param="term_count")
+    if term == ReservationTerm.HOURLY:
+        ends_at, unit_price = starts_at + timedelta(hours=term_count), offering.hourly_unit_price
+    elif term == ReservationTerm.MONTHLY:
+        ends_at, unit_price = add_months(starts_at, term_count), offering.monthly_unit_price
+    else:
+        raise InvalidRequest(f"Unknown term {term!r}", param="term")
+    return Reservation.objects.create(
+        organization=organization, offering=offering, model=offering.model,
+        region=offering.region, units=units, term=term, term_count=term_count,
+        unit_price=unit_price, currency=offering.currency,
+        tokens_per_minute_per_unit=offering.tokens_per_minute_per_unit,
+        cache_burndown=offering.cache_burndown, output_burndown=offering.output_burndown,
+        overflow_policy=overflow_policy, starts_at=starts_at, ends_at=ends_at)
+
+
+def reservation_update(*, reservation: Reservation, overflow_policy: str | None = None,
+                       ends_at: datetime | None = None) -> Reservation:
+    """Change a reservation's overflow policy or end it early (staff)."""
+    if overflow_policy is not None:
+        reservation.overflow_policy = overflow_policy
+    if ends_at is not None:
+        if _aware(ends_at, "ends_at") <= reservation.starts_at:
+            raise InvalidRequest("ends_at must be after starts_at", param="ends_at")
+        reservation.ends_at = ends_at
+    reservation.save()
+    return reservation
+
+
+# --- credit grants -----------------------------------------------------------------------------
+
+def credit_grant_create(
+    *,
+    organization: Organization,
+    kind: str,
+    amount: Decimal | str,
+    currency: str | None = None,
+    expires_at: datetime | None = None,
+    note: str = "",
+    created_by: User | None = None,
+    granted_at: datetime | None = None,
+) -> CreditGrant:
+    """Grant an organization credit (money), usable until ``expires_at``."""
+    value = _decimal(amount, "amount")
+    if value <= 0:
+        raise InvalidRequest("amount must be > 0", param="amount")
+    if expires_at is not None:
+        _aware(expires_at, "expires_at")
+    return CreditGrant.objects.create(
+        organization=organization, kind=kind, currency=(currency or organization.currency).upper(),
+        amount=value, remaining=value, expires_at=expires_at, note=note, created_by=created_by,
+        granted_at=granted_at or timezone.now())
+
+
+def credit_grants_apply(
+    *, organization: Organization, currency: str, amount: Decimal, reference: str,
+    at: datetime | None = None,
+) -> list[CreditGrantApplication]:
+    """Use the organization's credit against ``amount``, oldest expiry first; once per reference.
+
+    Returns the applications (empty when there is no credit). Calling it again with the same
+    ``reference`` returns the applications made the first time and takes nothing more.
+    """
+    at = _aware(at or timezone.now(), "at")
+    amount = _decimal(amount, "amount")
+    with transaction.atomic():
+        grants = list(
+            CreditGrant.objects.select_for_update()
+            .filter(organization=organization, currency=currency.upper(), granted_at__lte=at)
+            .order_by(F("expires_at").asc(nulls_last=True), "granted_at", "id"))
+        done = list(CreditGrantApplication.objects.filter(
+            grant__organization=organization, reference=reference).order_by("id"))
+        if done:
+            return done
+        applications = []
+        left = amount
+        for grant in grants:
+            if left <= 0:
+                break
+            if grant.remaining <= 0 or (grant.expires_at is not None and grant.expires_at <= at):
+                continue
+            part = min(grant.remaining, left)
+            grant.remaining -= part
+            grant.save(update_fields=["remaining"])
+            applications.append(CreditGrantApplication.objects.create(
+                grant=grant, reference=reference, amount=part, applied_at=at))
+            left -= part
+        return applications
