@@ -49,41 +49,36 @@ from __future__ import annotations
 import uuid
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Context, Decimal, localcontext
+from datetime import datetime
+from decimal import ROUND_CEILING, Decimal, localcontext
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
 from billing_platform.errors import InvalidRequest
-from plans.choices import (
-    ANY_MODEL,
-    CapacitySource,
-    CapPolicy,
-    MultiplierDimension,
-    PlanKind,
-    RatingKind,
-    ServiceTier,
-    TokenClass,
+from plans.choices import ANY_MODEL, CapacitySource, PlanKind, RatingKind, ServiceTier, TokenClass
+from plans.credits import TokenPlanLedger
+from plans.models import CreditCoefficient, PriceBook, Reservation, Subscription
+from plans.pricing import (
+    AMOUNT_QUANTUM,
+    EXACT,
+    ModelPricing,
+    PriceIndex,
+    exact_lines,
+    normalized_tokens,
+    quantize_amount,
+    rounded_lines,
 )
-from plans.models import (
-    ContextBand,
-    CreditCoefficient,
-    CreditPackPurchase,
-    ModelPrice,
-    PriceBook,
-    PriceMultiplier,
-    PriceVersion,
-    Reservation,
-    Subscription,
-    TokenPlanPeriod,
-    TokenPlanUsage,
-)
-from plans.periods import period_bounds
+
+__all__ = [
+    "AMOUNT_QUANTUM", "RATERS", "Rating", "UnpricedModel", "UsageFacts", "normalized_tokens",
+    "quantize_amount", "quote", "rate_on_demand", "rate_provisioned", "rate_token_plan",
+    "rate_usage_batch",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +125,8 @@ class UnpricedModel(InvalidRequest):
     code = "model_not_priced"
 
 
-AMOUNT_QUANTUM = Decimal("1E-10")
 CREDIT_QUANTUM = Decimal("1E-6")
 ZERO = Decimal("0")
-ONE = Decimal("1")
 _CLASSES = (TokenClass.INPUT.value, TokenClass.CACHED_INPUT.value, TokenClass.OUTPUT.value)
 _TIERS = frozenset(ServiceTier.values)
 # Plain-str copies of the enum values used per event (enum attribute access is slow in loops).
@@ -143,313 +136,6 @@ _ON_DEMAND, _TOKEN_PLAN, _PROVISIONED_KIND = (
 _PROVISIONED, _SPILLOVER, _ON_DEMAND_SOURCE = (
     str(CapacitySource.PROVISIONED.value), str(CapacitySource.SPILLOVER.value),
     str(CapacitySource.ON_DEMAND.value))
-# Wide enough that no product of tokens (< 2^63), prices and factors is ever rounded before the
-# one explicit quantize; InvalidOperation and friends stay trapped (the default).
-_EXACT = Context(prec=100, rounding=ROUND_HALF_EVEN)
-
-
-def quantize_amount(value: Decimal) -> Decimal:
-    """Round an exact amount once, half-even, to the 10 places events keep."""
-    return value.quantize(AMOUNT_QUANTUM, rounding=ROUND_HALF_EVEN, context=_EXACT)
-
-
-def normalized_tokens(*, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                      cache_burndown: Decimal, output_burndown: Decimal) -> int:
-    """Return provisioned burndown tokens: uncached + cached x cache_bd + out x output_bd.
-
-    Rounded up to a whole token: a reservation is never credited with capacity it did not use.
-    """
-    with localcontext(_EXACT):
-        exact = ((prompt_tokens - cached_tokens) + cached_tokens * cache_burndown
-                 + completion_tokens * output_burndown)
-    return int(exact.to_integral_value(rounding=ROUND_CEILING))
-
-
-# --- prices ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class PriceSet:
-    """Per-1M-token prices of one model in one band."""
-
-    input: Decimal
-    cached_input: Decimal
-    output: Decimal
-    cache_write: Decimal
-
-    @classmethod
-    def of(cls, row: ModelPrice | ContextBand) -> PriceSet:
-        cached = row.cached_input if row.cached_input is not None else row.input * Decimal("0.1")
-        write = row.cache_write if row.cache_write is not None else row.input
-        return cls(row.input, cached, row.output, write)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPricing:
-    """A model's prices in one price version, with that version's multipliers."""
-
-    version_id: int
-    currency: str
-    model: str
-    base: PriceSet
-    bands: tuple[tuple[int, PriceSet], ...]  # ascending thresholds
-    tier: Mapping[str, Decimal]
-    zone: Mapping[str, Decimal]
-
-    def prices_for(self, prompt_tokens: int) -> PriceSet:
-        """Return the band's prices when the prompt exceeds its threshold, else the base."""
-        chosen = self.base
-        for above, prices in self.bands:
-            if prompt_tokens > above:
-                chosen = prices
-            else:
-                break
-        return chosen
-
-    def multiplier(self, tier: str, zone: str) -> Decimal:
-        return self.tier.get(tier, ONE) * self.zone.get(zone, ONE)
-
-
-def exact_lines(pricing: ModelPricing, f: UsageFacts) -> dict[str, Decimal]:
-    """Return the on-demand amount of each token class, exact (not yet rounded)."""
-    prices = pricing.prices_for(f.prompt_tokens)
-    with localcontext(_EXACT):
-        mult = pricing.multiplier(f.service_tier, f.data_zone)
-        uncached = f.prompt_tokens - f.cached_tokens
-        lines = {
-            TokenClass.INPUT.value:
-                ((uncached - f.cache_write_tokens) * prices.input * mult).scaleb(-6),
-            TokenClass.CACHED_INPUT.value:
-                (f.cached_tokens * prices.cached_input * mult).scaleb(-6),
-            TokenClass.OUTPUT.value: (f.completion_tokens * prices.output * mult).scaleb(-6),
-        }
-        if f.cache_write_tokens:
-            lines[TokenClass.CACHE_WRITE.value] = (
-                f.cache_write_tokens * prices.cache_write * mult).scaleb(-6)
-    return lines
-
-
-def _rounded(lines: Mapping[str, Decimal], fraction: Decimal | None = None
-             ) -> tuple[dict[str, Decimal], Decimal]:
-    """Round each line once (after scaling by ``fraction``); return the lines and their sum."""
-    with localcontext(_EXACT):
-        if fraction is not None:
-            out = {k: quantize_amount(v * fraction) for k, v in lines.items()}
-        else:
-            out = {k: quantize_amount(v) for k, v in lines.items()}
-        return out, sum(out.values(), ZERO)
-
-
-class _PriceIndex:
-    """Price versions of the books a batch needs, loaded once; looked up per (book, model)."""
-
-    def __init__(self, book_ids: set[int], models: set[str], min_t: datetime, max_t: datetime):
-        self.currency = dict(PriceBook.objects.filter(id__in=book_ids)
-                             .values_list("id", "currency"))
-        versions = list(PriceVersion.objects.filter(price_book_id__in=book_ids,
-                                                    effective_from__lte=max_t)
-                        .order_by("price_book_id", "effective_from")
-                        .values_list("id", "price_book_id", "effective_from"))
-        by_book: dict[int, list[tuple[int, datetime]]] = defaultdict(list)
-        for vid, book_id, eff in versions:
-            by_book[book_id].append((vid, eff))
-        relevant: dict[int, list[tuple[int, datetime]]] = {}
-        for book_id, rows in by_book.items():
-            first = max(bisect_right([eff for _, eff in rows], min_t) - 1, 0)
-            relevant[book_id] = rows[first:]
-        version_ids = [vid for rows in relevant.values() for vid, _ in rows]
-        mults: dict[int, dict[str, dict[str, Decimal]]] = defaultdict(
-            lambda: {MultiplierDimension.TIER: {}, MultiplierDimension.ZONE: {}})
-        for vid, dim, key, factor in PriceMultiplier.objects.filter(
-                version_id__in=version_ids).values_list("version_id", "dimension", "key",
-                                                        "factor"):
-            mults[vid][dim][key] = factor
-        prices = (ModelPrice.objects.filter(version_id__in=version_ids, model__in=models)
-                  .select_related("version").prefetch_related("bands"))
-        by_version_model: dict[tuple[int, str], ModelPricing] = {}
-        for row in prices:
-            book_id = row.version.price_book_id
-            m = mults[row.version_id]
-            by_version_model[(row.version_id, row.model)] = ModelPricing(
-                version_id=row.version_id, currency=self.currency[book_id], model=row.model,
-                base=PriceSet.of(row),
-                bands=tuple((b.above_prompt_tokens, PriceSet.of(b))
-                            for b in sorted(row.bands.all(), key=lambda b: b.above_prompt_tokens)),
-                tier=m[MultiplierDimension.TIER], zone=m[MultiplierDimension.ZONE],
-            )
-        # (book, model) -> (effective_from list, pricing-or-None list), for bisect per event.
-        self._series: dict[tuple[int, str], tuple[list[datetime], list[ModelPricing | None]]] = {}
-        for book_id, rows in relevant.items():
-            times = [eff for _, eff in rows]
-            for model in models:
-                self._series[(book_id, model)] = (
-                    times, [by_version_model.get((vid, model)) for vid, _ in rows])
-
-    def series(self, book_id: int | None, model: str
-               ) -> tuple[list[datetime], list[ModelPricing | None]]:
-        """Return (effective_from list, pricing-or-None list) of a model in a book."""
-        return self._series.get((book_id, model), ([], [])) if book_id else ([], [])
-
-
-# --- token-plan state --------------------------------------------------------------------------
-
-class _Window:
-    """Credits by event time for one subscription: sum over (lo, hi] in O(log n)."""
-
-    __slots__ = ("cums", "times")
-
-    def __init__(self) -> None:
-        self.times: list[datetime] = []
-        self.cums: list[Decimal] = [ZERO]  # cums[i] = credits of the first i entries
-
-    def add(self, t: datetime, credits: Decimal) -> None:
-        i = bisect_right(self.times, t)
-        self.times.insert(i, t)
-        if i == len(self.times) - 1:
-            self.cums.append(self.cums[-1] + credits)
-            return
-        self.cums.insert(i + 1, self.cums[i] + credits)
-        for k in range(i + 2, len(self.cums)):
-            self.cums[k] += credits
-
-    def between(self, lo: datetime, hi: datetime) -> Decimal:
-        return self.cums[bisect_right(self.times, hi)] - self.cums[bisect_right(self.times, lo)]
-
-
-@dataclass(slots=True)
-class _Split:
-    plan: Decimal
-    pack: Decimal
-    overage: Decimal
-
-    @property
-    def total(self) -> Decimal:
-        return self.plan + self.pack + self.overage
-
-
-class _PlanState:
-    """Token-plan counters for the batch's subscriptions, loaded once, written back once."""
-
-    def __init__(self, facts: list[tuple[UsageFacts, Subscription]], *, record: bool):
-        self.record = record
-        subs = {sub.id: sub for _, sub in facts}
-        ids = sorted(subs)
-        if record:
-            # Serialize with every other batch touching these subscriptions (see module doc).
-            list(Subscription.objects.select_for_update().filter(id__in=ids).order_by("id")
-                 .values_list("id", flat=True))
-        min_t = min(f.event_time for f, _ in facts)
-        max_t = max(f.event_time for f, _ in facts)
-        longest = max(timedelta(hours=s.plan.window_hours) for s in subs.values())
-        self.stored: dict[tuple[int, str], _Split] = {}
-        if record:
-            for sub_id, rid, plan, pack, over in TokenPlanUsage.objects.filter(
-                    subscription_id__in=ids,
-                    request_id__in={f.request_id for f, _ in facts}).values_list(
-                    "subscription_id", "request_id", "plan_credits", "pack_credits",
-                    "overage_credits"):
-                self.stored[(sub_id, rid)] = _Split(plan, pack, over)
-        self.windows: dict[int, _Window] = defaultdict(_Window)
-        for sub_id, t, credits in (TokenPlanUsage.objects
-                                   .filter(subscription_id__in=ids, event_time__gt=min_t - longest,
-                                           event_time__lte=max_t)
-                                   .order_by("event_time").values_list(
-                                       "subscription_id", "event_time", "plan_credits")):
-            self.windows[sub_id].add(t, credits)
-        starts = {period_bounds(sub.billing_anchor, f.event_time)[0] for f, sub in facts}
-        self.periods: dict[tuple[int, datetime], TokenPlanPeriod] = {
-            (p.subscription_id, p.period_start): p
-            for p in TokenPlanPeriod.objects.filter(subscription_id__in=ids,
-                                                    period_start__in=starts)}
-        self.packs: dict[int, list[CreditPackPurchase]] = defaultdict(list)
-        for purchase in (CreditPackPurchase.objects
-                         .filter(subscription_id__in=ids, credits_used__lt=F("credits"))
-                         .order_by(F("expires_at").asc(nulls_last=True), "purchased_at", "id")):
-            self.packs[purchase.subscription_id].append(purchase)
-        self.new_usage: list[TokenPlanUsage] = []
-        self.dirty_periods: set[tuple[int, datetime]] = set()
-        self.dirty_packs: dict[int, CreditPackPurchase] = {}
-
-    def period(self, sub: Subscription, t: datetime) -> TokenPlanPeriod:
-        start, end = period_bounds(sub.billing_anchor, t)
-        row = self.periods.get((sub.id, start))
-        if row is None:
-            row = TokenPlanPeriod(subscription_id=sub.id, period_start=start, period_end=end,
-                                  plan_credits=ZERO, pack_credits=ZERO, overage_credits=ZERO)
-            self.periods[(sub.id, start)] = row
-        return row
-
-    def take_packs(self, sub: Subscription, need: Decimal, t: datetime) -> Decimal:
-        taken = ZERO
-        for purchase in self.packs.get(sub.id, ()):
-            if need <= 0:
-                break
-            if purchase.purchased_at > t or (purchase.expires_at and purchase.expires_at <= t):
-                continue
-            part = min(purchase.credits_left, need)
-            if part > 0:
-                purchase.credits_used += part
-                self.dirty_packs[purchase.id] = purchase
-                taken += part
-                need -= part
-        return taken
-
-    def consume(self, sub: Subscription, f: UsageFacts, credits: Decimal) -> _Split:
-        """Split ``credits`` into plan / pack / overage and book it (once per request id)."""
-        stored = self.stored.get((sub.id, f.request_id))
-        if stored is not None:
-            return stored
-        plan = sub.plan
-        t = f.event_time
-        period = self.period(sub, t)
-        room = plan.credits_per_period - period.plan_credits
-        window = self.windows[sub.id]
-        if plan.window_credits is not None:
-            used = window.between(t - timedelta(hours=plan.window_hours), t)
-            room = min(room, plan.window_credits - used)
-        room = max(room, ZERO)
-        in_plan = min(credits, room)
-        rest = credits - in_plan
-        pack = self.take_packs(sub, rest, t) if rest > 0 else ZERO
-        rest -= pack
-        overage = ZERO
-        if rest > 0:
-            if plan.cap_policy == CapPolicy.OVERAGE:
-                overage = rest
-            else:
-                # Block: admission refuses past the cap; what it let through (at most the last
-                # request's excess) is covered by the plan and counted, so the next one is
-                # refused.
-                in_plan += rest
-        split = _Split(in_plan, pack, overage)
-        window.add(t, in_plan)
-        period.plan_credits += in_plan
-        period.pack_credits += pack
-        period.overage_credits += overage
-        self.dirty_periods.add((sub.id, period.period_start))
-        self.stored[(sub.id, f.request_id)] = split
-        if self.record:
-            self.new_usage.append(TokenPlanUsage(
-                subscription_id=sub.id, request_id=f.request_id, event_time=t,
-                period_start=period.period_start, plan_credits=in_plan, pack_credits=pack,
-                overage_credits=overage))
-        return split
-
-    def flush(self) -> None:
-        if not self.record:
-            return
-        now = timezone.now()
-        if self.new_usage:
-            TokenPlanUsage.objects.bulk_create(self.new_usage, batch_size=5000)
-        if self.dirty_periods:
-            rows = [self.periods[key] for key in sorted(self.dirty_periods)]
-            for row in rows:
-                row.updated_at = now
-            TokenPlanPeriod.objects.bulk_create(
-                rows, update_conflicts=True, unique_fields=["subscription", "period_start"],
-                update_fields=["plan_credits", "pack_credits", "overage_credits", "updated_at"])
-        if self.dirty_packs:
-            CreditPackPurchase.objects.bulk_update(list(self.dirty_packs.values()),
-                                                   ["credits_used"])
 
 
 # --- the batch ---------------------------------------------------------------------------------
@@ -497,8 +183,7 @@ class _Batch:
                                                         "coefficient"):
             self.coefficients[plan_id][model][cls] = coef
         self.reservations: dict[int, list[Reservation]] = defaultdict(list)
-        if any(f.capacity_source in (CapacitySource.PROVISIONED, CapacitySource.SPILLOVER)
-               for f in facts):
+        if any(f.capacity_source in (_PROVISIONED, _SPILLOVER) for f in facts):
             for r in Reservation.objects.filter(organization_id__in=org_ids, model__in=models,
                                                 starts_at__lte=max_t, ends_at__gt=min_t):
                 self.reservations[r.organization_id].append(r)
@@ -507,16 +192,17 @@ class _Batch:
         book_ids = set(self.default_book.values()) | {
             s.plan.price_book_id for subs in self.subs.values() for s in subs
             if s.plan.price_book_id}
-        self.prices = _PriceIndex(book_ids, models, min_t, max_t)
+        self.prices = PriceIndex(book_ids, models, min_t, max_t)
         self._memo: dict[tuple, tuple[dict[str, Decimal], Decimal]] = {}
         self._series: dict[tuple, tuple[list[datetime], list[ModelPricing | None]]] = {}
         # (kind, subscription) per event, resolved once
         self.plan: list[tuple[str, Subscription | None]] = [self.kind_of(f) for f in facts]
         plan_facts = [(f, sub) for f, (kind, sub) in zip(facts, self.plan, strict=True)
                       if kind == _TOKEN_PLAN and sub is not None]
-        self.plan_state: _PlanState | None = None
+        self.plan_state: TokenPlanLedger | None = None
         if plan_facts:
-            self.plan_state = _PlanState(plan_facts, record=record)
+            self.plan_state = TokenPlanLedger(
+                [(f.request_id, f.event_time, sub) for f, sub in plan_facts], record=record)
 
     def subscription(self, org_id: int, t: datetime) -> Subscription | None:
         for sub in self.subs.get(org_id, ()):
@@ -582,7 +268,7 @@ class _Batch:
                f.cache_write_tokens, f.service_tier, f.data_zone)
         hit = self._memo.get(key)
         if hit is None:
-            hit = _rounded(exact_lines(pricing, f))
+            hit = rounded_lines(exact_lines(pricing, f))
             self._memo[key] = hit
         return pricing, hit[0], hit[1]
 
@@ -613,18 +299,18 @@ def rate_token_plan(batch: _Batch, f: UsageFacts, sub: Subscription | None) -> R
         return rate_on_demand(batch, f, sub)
     coef = batch.coefficients_for(sub, f.model) or {}
     uncached = f.prompt_tokens - f.cached_tokens - f.cache_write_tokens
-    with localcontext(_EXACT):
+    with localcontext(EXACT):
         credits = (uncached * coef.get(TokenClass.INPUT, ZERO)
                    + f.cached_tokens * coef.get(TokenClass.CACHED_INPUT, ZERO)
                    + f.completion_tokens * coef.get(TokenClass.OUTPUT, ZERO)
                    + f.cache_write_tokens * coef.get(TokenClass.CACHE_WRITE,
                                                      coef.get(TokenClass.INPUT, ZERO)))
         credits = credits.quantize(CREDIT_QUANTUM, rounding=ROUND_CEILING)
-    split = batch.plan_state.consume(sub, f, credits)
+    split = batch.plan_state.consume(sub, f.request_id, f.event_time, credits)
     pricing = batch.pricing(f, sub)
     if split.overage > 0:
-        with localcontext(_EXACT):
-            lines, amount = _rounded(exact_lines(pricing, f), split.overage / split.total)
+        with localcontext(EXACT):
+            lines, amount = rounded_lines(exact_lines(pricing, f), split.overage / split.total)
         source = CapacitySource.OVERAGE
     else:
         lines, amount = dict.fromkeys(_CLASSES, ZERO), ZERO

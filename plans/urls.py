@@ -1,14 +1,14 @@
 """Plans management API routes, included under /api/v1/."""
 
-from django.urls import path
+from django.urls import path, re_path
 
 from plans import apis
 
 ORG = "organizations/<str:org_id>"
 
 urlpatterns = [
-    path("pricing/quote", apis.QuoteApi.as_view(), name="pricing-quote"),
-    path("pricing/quote/", apis.QuoteApi.as_view()),
+    # POST /api/v1/pricing/quote, with or without the trailing slash (no redirect for a POST)
+    re_path(r"^pricing/quote/?$", apis.QuoteApi.as_view(), name="pricing-quote"),
     path("price_books/", apis.PriceBookListApi.as_view(), name="pricebook-list"),
     path("price_books/<slug:code>/", apis.PriceBookDetailApi.as_view(), name="pricebook-detail"),
     path("price_books/<slug:code>/versions/", apis.PriceVersionListApi.as_view(),

@@ -1,0 +1,180 @@
+"""Prices as numbers: the price sets of a model, exact per-class amounts, rounding once.
+
+``PriceIndex`` loads the versions of the price books a batch needs with a fixed number of
+queries and answers "which prices were in force for this model at t" by bisection.
+All arithmetic runs in a 100-digit decimal context, so nothing is rounded before the one
+explicit ``quantize_amount`` (half-even, 10 places).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Context, Decimal, localcontext
+from typing import Protocol
+
+from plans.choices import DEFAULT_CACHED_INPUT_FRACTION, MultiplierDimension, TokenClass
+from plans.models import ContextBand, ModelPrice, PriceBook, PriceMultiplier, PriceVersion
+
+AMOUNT_QUANTUM = Decimal("1E-10")
+ZERO = Decimal("0")
+ONE = Decimal("1")
+# Wide enough that no product of tokens (< 2^63), prices and factors is ever rounded before the
+# one explicit quantize; InvalidOperation and friends stay trapped (the default).
+EXACT = Context(prec=100, rounding=ROUND_HALF_EVEN)
+
+
+class TokenCounts(Protocol):
+    """What pricing needs of an event (``plans.rating.UsageFacts`` has it)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cache_write_tokens: int
+    service_tier: str
+    data_zone: str
+
+
+def quantize_amount(value: Decimal) -> Decimal:
+    """Round an exact amount once, half-even, to the 10 places events keep."""
+    return value.quantize(AMOUNT_QUANTUM, rounding=ROUND_HALF_EVEN, context=EXACT)
+
+
+def normalized_tokens(*, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                      cache_burndown: Decimal, output_burndown: Decimal) -> int:
+    """Return provisioned burndown tokens: uncached + cached x cache_bd + out x output_bd.
+
+    Rounded up to a whole token: a reservation is never credited with capacity it did not use.
+    """
+    with localcontext(EXACT):
+        exact = ((prompt_tokens - cached_tokens) + cached_tokens * cache_burndown
+                 + completion_tokens * output_burndown)
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
+@dataclass(frozen=True, slots=True)
+class PriceSet:
+    """Per-1M-token prices of one model in one band."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+    cache_write: Decimal
+
+    @classmethod
+    def of(cls, row: ModelPrice | ContextBand) -> PriceSet:
+        cached = (row.cached_input if row.cached_input is not None
+                  else row.input * DEFAULT_CACHED_INPUT_FRACTION)
+        write = row.cache_write if row.cache_write is not None else row.input
+        return cls(row.input, cached, row.output, write)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPricing:
+    """A model's prices in one price version, with that version's multipliers."""
+
+    version_id: int
+    currency: str
+    model: str
+    base: PriceSet
+    bands: tuple[tuple[int, PriceSet], ...]  # ascending thresholds
+    tier: Mapping[str, Decimal]
+    zone: Mapping[str, Decimal]
+
+    def prices_for(self, prompt_tokens: int) -> PriceSet:
+        """Return the band's prices when the prompt exceeds its threshold, else the base."""
+        chosen = self.base
+        for above, prices in self.bands:
+            if prompt_tokens > above:
+                chosen = prices
+            else:
+                break
+        return chosen
+
+    def multiplier(self, tier: str, zone: str) -> Decimal:
+        return self.tier.get(tier, ONE) * self.zone.get(zone, ONE)
+
+
+def exact_lines(pricing: ModelPricing, f: TokenCounts) -> dict[str, Decimal]:
+    """Return the on-demand amount of each token class, exact (not yet rounded)."""
+    prices = pricing.prices_for(f.prompt_tokens)
+    with localcontext(EXACT):
+        mult = pricing.multiplier(f.service_tier, f.data_zone)
+        uncached = f.prompt_tokens - f.cached_tokens
+        lines = {
+            TokenClass.INPUT.value:
+                ((uncached - f.cache_write_tokens) * prices.input * mult).scaleb(-6),
+            TokenClass.CACHED_INPUT.value:
+                (f.cached_tokens * prices.cached_input * mult).scaleb(-6),
+            TokenClass.OUTPUT.value: (f.completion_tokens * prices.output * mult).scaleb(-6),
+        }
+        if f.cache_write_tokens:
+            lines[TokenClass.CACHE_WRITE.value] = (
+                f.cache_write_tokens * prices.cache_write * mult).scaleb(-6)
+    return lines
+
+
+def rounded_lines(lines: Mapping[str, Decimal], fraction: Decimal | None = None
+                  ) -> tuple[dict[str, Decimal], Decimal]:
+    """Round each line once (after scaling by ``fraction``); return the lines and their sum."""
+    with localcontext(EXACT):
+        if fraction is not None:
+            out = {k: quantize_amount(v * fraction) for k, v in lines.items()}
+        else:
+            out = {k: quantize_amount(v) for k, v in lines.items()}
+        return out, sum(out.values(), ZERO)
+
+
+class PriceIndex:
+    """Price versions of the books a batch needs, loaded once; looked up per (book, model)."""
+
+    def __init__(self, book_ids: set[int], models: set[str], min_t: datetime, max_t: datetime):
+        self.currency = dict(PriceBook.objects.filter(id__in=book_ids)
+                             .values_list("id", "currency"))
+        versions = list(PriceVersion.objects.filter(price_book_id__in=book_ids,
+                                                    effective_from__lte=max_t)
+                        .order_by("price_book_id", "effective_from")
+                        .values_list("id", "price_book_id", "effective_from"))
+        by_book: dict[int, list[tuple[int, datetime]]] = defaultdict(list)
+        for vid, book_id, eff in versions:
+            by_book[book_id].append((vid, eff))
+        relevant: dict[int, list[tuple[int, datetime]]] = {}
+        for book_id, rows in by_book.items():
+            first = max(bisect_right([eff for _, eff in rows], min_t) - 1, 0)
+            relevant[book_id] = rows[first:]
+        version_ids = [vid for rows in relevant.values() for vid, _ in rows]
+        mults: dict[int, dict[str, dict[str, Decimal]]] = defaultdict(
+            lambda: {MultiplierDimension.TIER: {}, MultiplierDimension.ZONE: {}})
+        for vid, dim, key, factor in PriceMultiplier.objects.filter(
+                version_id__in=version_ids).values_list("version_id", "dimension", "key",
+                                                        "factor"):
+            mults[vid][dim][key] = factor
+        prices = (ModelPrice.objects.filter(version_id__in=version_ids, model__in=models)
+                  .select_related("version").prefetch_related("bands"))
+        by_version_model: dict[tuple[int, str], ModelPricing] = {}
+        for row in prices:
+            book_id = row.version.price_book_id
+            m = mults[row.version_id]
+            by_version_model[(row.version_id, row.model)] = ModelPricing(
+                version_id=row.version_id, currency=self.currency[book_id], model=row.model,
+                base=PriceSet.of(row),
+                bands=tuple((b.above_prompt_tokens, PriceSet.of(b))
+                            for b in sorted(row.bands.all(), key=lambda b: b.above_prompt_tokens)),
+                tier=m[MultiplierDimension.TIER], zone=m[MultiplierDimension.ZONE],
+            )
+        # (book, model) -> (effective_from list, pricing-or-None list), for bisect per event.
+        self._series: dict[tuple[int, str], tuple[list[datetime], list[ModelPricing | None]]] = {}
+        for book_id, rows in relevant.items():
+            times = [eff for _, eff in rows]
+            for model in models:
+                self._series[(book_id, model)] = (
+                    times, [by_version_model.get((vid, model)) for vid, _ in rows])
+
+    def series(self, book_id: int | None, model: str
+               ) -> tuple[list[datetime], list[ModelPricing | None]]:
+        """Return (effective_from list, pricing-or-None list) of a model in a book."""
+        return self._series.get((book_id, model), ([], [])) if book_id else ([], [])
+
