@@ -1,0 +1,139 @@
+"""The simulator keeps faith with real SGLang: the same scenario, the same shapes and the same
+cached-token behaviour from both (real SGLang on this CPU with the tiny model; the simulator as
+its own process). Plus the fleet manager restarting a killed real engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from io import StringIO
+
+import httpx
+import pytest
+from django.core.management import call_command
+
+from engine_adapter import services
+from engine_adapter.choices import EngineStatus
+from engine_adapter.metrics import parse_engine_load
+from engine_adapter.models import EngineInstance
+from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
+from engine_adapter.sim.testing import FAST_RATES, free_port, start_sim
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.skipif(
+    not is_ready(), reason="run `python -m engine_adapter.sglang_cpu setup` first")
+
+MODEL = "tiny-llama"
+LONG = " ".join(f"word{i % 97} is number {i}." for i in range(45))
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, str]]:
+    paths = resolve_paths()
+    port = free_port()
+    argv, env = launch_spec(model_dir=paths.model_dir, port=port, served_model_name=MODEL)
+    real = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    sim = start_sim(served_model_name=MODEL, **FAST_RATES)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=180,
+                     is_alive=lambda: real.poll() is None)
+        yield {"sglang": f"http://127.0.0.1:{port}", "sim": sim.base_url}
+    finally:
+        sim.stop()
+        os.killpg(real.pid, signal.SIGTERM)
+        real.wait(timeout=30)
+
+
+def _chat(url: str, content: str, **extra) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4, "temperature": 0, **extra}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def _stream(url: str, content: str, **options) -> list[dict]:
+    import json
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4, "stream": True, "stream_options": options}
+    frames = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line[6:]))
+    return frames
+
+
+@pytest.mark.parametrize("kind", ["sglang", "sim"])
+def test_same_response_shapes(engines, kind):
+    body = _chat(engines[kind], "hello")
+    assert {"id", "object", "created", "model", "choices", "usage"} <= body.keys()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert {"index", "message", "finish_reason"} <= choice.keys()
+    assert choice["message"]["role"] == "assistant"
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] <= 4
+
+    frames = _stream(engines[kind], "hello", include_usage=True)
+    assert all(f["object"] == "chat.completion.chunk" for f in frames)
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] >= 1
+    assert all(f.get("usage") is None for f in frames[:-1])
+
+    # continuous usage stats: token chunks carry the usage so far (the gateway relies on it)
+    frames = _stream(engines[kind], "hello", include_usage=True, continuous_usage_stats=True)
+    assert any(f["choices"] and f.get("usage") for f in frames)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "sim"])
+def test_same_cached_token_behaviour(engines, kind):
+    url = engines[kind]
+    httpx.post(f"{url}/flush_cache", timeout=30)
+    salt = f"conf-{kind}"
+    first = _chat(url, LONG, cache_salt=salt)["usage"]
+    second = _chat(url, LONG, cache_salt=salt)["usage"]
+    other = _chat(url, LONG, cache_salt=salt + "-other")["usage"]
+    cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+              for u in (first, second, other)]
+    assert first["prompt_tokens"] > 100
+    assert cached[0] == 0
+    assert cached[1] == second["prompt_tokens"] - 1  # all but the last token, as SGLang does
+    assert cached[2] == 0  # another salt never hits
+
+
+@pytest.mark.parametrize("kind", ["sglang", "sim"])
+def test_metrics_the_router_reads_are_exported(engines, kind):
+    text = httpx.get(f"{engines[kind]}/metrics", timeout=10).text
+    load = parse_engine_load(text)
+    assert {"running", "queued", "token_usage"} <= load.keys()
+    assert "sglang:num_requests_total" in text or "sglang:prompt_tokens_total" in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fleet_restarts_a_killed_real_sglang_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOLLGATE_ROOT", str(resolve_paths().root))
+    spec = tmp_path / "fleet.toml"
+    spec.write_text('[regions]\nus-east = "us"\n[[pools]]\nname = "real"\n'
+                    f'model = "{MODEL}"\nregion = "us-east"\nlaunch = "sglang"\n'
+                    'model_path = "@sglang-cpu-model"\n')
+    try:
+        call_command("fleet", "up", "--spec", str(spec), "--timeout", "240", stdout=StringIO())
+        engine = EngineInstance.objects.get(engine_id="real-0")
+        assert engine.status == EngineStatus.HEALTHY
+        assert _chat(engine.url, "hi")["usage"]["prompt_tokens"] > 0
+        os.killpg(engine.pid, signal.SIGKILL)
+        wait_until(lambda: not services.pid_alive(engine.pid), timeout=20, what="the kill")
+        assert services.fleet_health_check()["real-0"] == "restarted"
+        wait_until(lambda: services.fleet_health_check(restart=False)["real-0"] == "healthy",
+                   timeout=240, what="the restarted SGLang engine to be healthy")
+        fresh = EngineInstance.objects.get(engine_id="real-0")
+        assert fresh.restarts == 1 and fresh.pid != engine.pid
+        assert _chat(fresh.url, "hi again")["choices"]
+    finally:
+        services.fleet_down(progress=lambda _m: None)
