@@ -234,7 +234,8 @@ class Plan(models.Model):
     class Meta:
         constraints = [
             models.CheckConstraint(
-                condition=~Q(kind=PlanKind.TOKEN_PLAN) | Q(credits_per_period__gte=0),
+                condition=~Q(kind=PlanKind.TOKEN_PLAN)
+                | (Q(credits_per_period__isnull=False) & Q(credits_per_period__gte=0)),
                 name="token_plan_has_credits",
             ),
             models.CheckConstraint(condition=Q(monthly_fee__gte=0), name="plan_fee_non_negative"),

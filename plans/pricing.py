@@ -120,12 +120,16 @@ def exact_lines(pricing: ModelPricing, f: TokenCounts) -> dict[str, Decimal]:
 def rounded_lines(lines: Mapping[str, Decimal], fraction: Decimal | None = None
                   ) -> tuple[dict[str, Decimal], Decimal]:
     """Round each line once (after scaling by ``fraction``); return the lines and their sum."""
-    with localcontext(EXACT):
+    ctx = EXACT  # half-even, 100 digits: the scaling and the sum are exact
+    out: dict[str, Decimal] = {}
+    total = ZERO
+    for cls, value in lines.items():
         if fraction is not None:
-            out = {k: quantize_amount(v * fraction) for k, v in lines.items()}
-        else:
-            out = {k: quantize_amount(v) for k, v in lines.items()}
-        return out, sum(out.values(), ZERO)
+            value = ctx.multiply(value, fraction)
+        rounded = value.quantize(AMOUNT_QUANTUM, context=ctx)
+        out[cls] = rounded
+        total = ctx.add(total, rounded)
+    return out, total
 
 
 class PriceIndex:

