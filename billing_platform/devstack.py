@@ -118,6 +118,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        "-l", "INFO", "-n", "tollgate@%h"],
             "beat": [*celery, "beat", "-l", "INFO", "-s",
                      str(E.STATE_DIR / "celerybeat-schedule")],
+            # the usage stream consumer: a long-lived loop, see metering/ingest.py for why
+            "ingest": [sys.executable, "manage.py", "ingest_usage"],
         }
         for name, argv in commands.items():
             proc = subprocess.Popen(argv, env=env, cwd=E.BASE_DIR, stdout=subprocess.PIPE,

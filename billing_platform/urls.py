@@ -9,6 +9,7 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console:dashboard", permanent=False)),
     path("admin/", admin.site.urls),
     path("api/v1/", include("billing_platform.accounts.urls")),
+    path("api/v1/", include("metering.urls")),
     path("api/v1/", include("plans.urls")),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

@@ -1,0 +1,61 @@
+"""Metering's knobs, read at call time so tests can override them with Django settings.
+
+Each value comes from the Django setting of the same name when one is set, else from the
+environment through ``billing_platform.env`` (``TOLLGATE_*``), else a default that works on one
+machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+
+from billing_platform.env import STATE_DIR, env
+
+
+def _setting(name: str, env_name: str, default, cast=str):
+    value = getattr(settings, name, None)
+    if value is not None:
+        return value
+    return getattr(env, cast.__name__)(env_name, default=default)
+
+
+def stream_key() -> str:
+    """Return the Redis stream the gateway appends usage events to."""
+    return _setting("METERING_STREAM_KEY", "TOLLGATE_USAGE_STREAM", "tg:usage:events")
+
+
+def consumer_group() -> str:
+    """Return the consumer group that drains the stream into PostgreSQL."""
+    return _setting("METERING_CONSUMER_GROUP", "TOLLGATE_USAGE_GROUP", "ingest")
+
+
+def redis_url() -> str:
+    """Return the Redis of the usage stream (the platform's Redis unless set apart)."""
+    return _setting("METERING_REDIS_URL", "TOLLGATE_USAGE_REDIS_URL", settings.REDIS_URL)
+
+
+def spool_dir() -> Path:
+    """Return the directory of the local spool used when Redis and PostgreSQL are both down."""
+    return Path(_setting("METERING_SPOOL_DIR", "TOLLGATE_SPOOL_DIR", str(STATE_DIR / "spool")))
+
+
+def wait_aof() -> bool:
+    """Return whether an append waits for Redis to fsync its AOF (``WAITAOF``, Redis >= 7.2)."""
+    return bool(_setting("METERING_WAIT_AOF", "TOLLGATE_USAGE_WAITAOF", False, bool))
+
+
+def batch_size() -> int:
+    """Return how many stream entries the consumer reads and records per transaction."""
+    return int(_setting("METERING_BATCH_SIZE", "TOLLGATE_INGEST_BATCH", 5000, int))
+
+
+def claim_idle_ms() -> int:
+    """Return how long an unacknowledged entry waits before another consumer reclaims it."""
+    return int(_setting("METERING_CLAIM_IDLE_MS", "TOLLGATE_INGEST_CLAIM_IDLE_MS", 60_000, int))
+
+
+def spool_replay_s() -> float:
+    """Return the beat interval of the spool replay task."""
+    return float(_setting("METERING_SPOOL_REPLAY_S", "TOLLGATE_SPOOL_REPLAY_S", 30.0, float))

@@ -1,0 +1,351 @@
+"""The stream consumer: usage events from the Redis stream into PostgreSQL, exactly once.
+
+It runs as its own long-lived process (``manage.py ingest_usage``), not as Celery tasks. The
+work is one endless loop whose unit is a batch of thousands of events: a Celery task per batch
+would put a broker round trip, a task message and a prefork hand-off in front of every batch,
+and acknowledging stream entries after the commit needs a consumer identity that survives
+between batches (the consumer-group member), which a pool of task workers does not have. Two
+threads overlap the work: a reader fetches and decodes the next batch (``XREADGROUP``,
+``XAUTOCLAIM``) while the writer records the current one (``metering.recording``: COPY,
+dedup, rating, rollups, one transaction) and then ``XACK``s it. Entries are acknowledged only
+after their transaction committed, so a consumer killed at any instant leaves them pending; a
+live consumer reclaims entries idle longer than ``claim_idle_ms`` and records them again, and
+the request ids turn anything already committed into duplicates.
+
+Housekeeping rides along: the stream is trimmed below the oldest entry any group still needs,
+consumers that died with nothing pending are removed from the group, the local spool is
+replayed at start-up and periodically, and next months' partitions are created ahead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+from metering import conf, events, recording, services, stream
+from metering.models import UsageDeadLetter
+from metering.recording import RecordResult
+
+log = logging.getLogger(__name__)
+
+DEAD_CONSUMER_IDLE_MS = 3_600_000
+
+
+# One round trip and one reply string per batch instead of five RESP values per entry: parsing
+# replies entry by entry in Python cost more than everything else the consumer does.
+READ_LUA = """
+local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
+                         'STREAMS', KEYS[1], '>')
+if not reply then return {'', ''} end
+local ids, payloads = {}, {}
+for i, entry in ipairs(reply[1][2]) do
+  ids[i] = entry[1]
+  local fields = entry[2]
+  local payload = 'null'
+  for j = 1, #fields, 2 do
+    if fields[j] == 'e' then payload = fields[j + 1] end
+  end
+  payloads[i] = payload
+end
+return {table.concat(ids, ' '), table.concat(payloads, ',')}
+"""
+ACK_LUA = """
+local ids, acked = {}, 0
+for id in string.gmatch(ARGV[2], '[^ ]+') do
+  ids[#ids + 1] = id
+  if #ids == 1000 then
+    acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+    ids = {}
+  end
+end
+if #ids > 0 then acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
+return acked
+"""
+
+
+@dataclass
+class Batch:
+    """Stream entries read together, decoded."""
+
+    ids: list[bytes]
+    rows: list[events.Row]
+    bad: list[tuple[bytes, str]] = field(default_factory=list)  # (payload, error)
+    claimed: bool = False
+    trusted_text: bool = False  # no JSON escape anywhere: no tab, newline or backslash
+
+
+@dataclass
+class IngestStats:
+    """Counters of one consumer's run."""
+
+    batches: int = 0
+    events: int = 0
+    recorded: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    claimed: int = 0
+
+
+Observer = Callable[[Batch, RecordResult, float], None]
+
+
+def _framed(value: object) -> bool:
+    """Return whether a decoded entry looks like a version-1 usage event row."""
+    return (type(value) is list and len(value) == events.ROW_LEN + 1
+            and value[0] == events.WIRE_VERSION and type(value[1 + events.I_ORG]) is int
+            and type(value[1 + events.I_REQUEST]) is str
+            and type(value[1 + events.I_TIME]) is str
+            and value[1 + events.I_TIME].endswith("+00:00"))
+
+
+class Ingestor:
+    """One member of the consumer group; ``run()`` until ``stop()`` (or until drained)."""
+
+    def __init__(self, *, name: str | None = None, batch_size: int | None = None,
+                 block_ms: int = 500, claim_idle_ms: int | None = None,
+                 observer: Observer | None = None) -> None:
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.batch_size = batch_size or conf.batch_size()
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms if claim_idle_ms is not None else conf.claim_idle_ms()
+        self.claim_every_s = max(0.2, self.claim_idle_ms / 2000)
+        self.observer = observer
+        self.key = conf.stream_key()
+        self.group = conf.consumer_group()
+        self.redis = stream.client(socket_timeout=block_ms / 1000 + 5)
+        self.stats = IngestStats()
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=2)
+        self._reader_idle = threading.Event()
+        self._reader_error: BaseException | None = None
+        self._read_script = self.redis.register_script(READ_LUA)
+        self._ack_script = self.redis.register_script(ACK_LUA)
+
+    def stop(self) -> None:
+        """Ask the loop to finish the batches it holds and return."""
+        self._stop.set()
+
+    # -- reader thread ------------------------------------------------------------------
+
+    def _decode(self, entries: list, *, claimed: bool) -> Batch:
+        batch = Batch(ids=[], rows=[], claimed=claimed, trusted_text=True)
+        decode_row = events.decode_row
+        for entry_id, fields in entries:
+            batch.ids.append(entry_id)
+            payload = (fields or {}).get(stream.FIELD)
+            if payload is None:
+                continue  # trimmed under us, or not a usage event: nothing to record
+            try:
+                batch.rows.append(decode_row(payload))
+            except Exception as exc:
+                batch.bad.append((payload, str(exc)))
+            else:
+                batch.trusted_text = batch.trusted_text and b"\\" not in payload
+        return batch
+
+    def _decode_blob(self, ids_blob: bytes, payload_blob: bytes) -> Batch:
+        ids = ids_blob.split(b" ")
+        try:
+            values = json.loads(b"[" + payload_blob + b"]")
+            if len(values) != len(ids) or not all(map(_framed, values)):
+                raise ValueError("malformed entries")
+        except ValueError:
+            # some entry is not a usage event: fetch and decode them one by one
+            entries = []
+            for entry_id in ids:
+                found = self.redis.xrange(self.key, min=entry_id, max=entry_id)
+                entries.append(found[0] if found else (entry_id, None))
+            return self._decode(entries, claimed=False)
+        return Batch(ids=ids, rows=[v[1:] for v in values],
+                     trusted_text=b"\\" not in payload_blob)
+
+    def _claim(self) -> list:
+        """Take over entries other (dead) consumers left unacknowledged for too long."""
+        claimed: list = []
+        start = "0-0"
+        while len(claimed) < self.batch_size:
+            reply = self.redis.xautoclaim(
+                self.key, self.group, self.name, min_idle_time=self.claim_idle_ms,
+                start_id=start, count=self.batch_size - len(claimed),
+            )
+            start, entries = reply[0], reply[1]
+            claimed += entries
+            if start in (b"0-0", "0-0"):
+                break
+        return claimed
+
+    def _forget_dead_consumers(self) -> None:
+        for info in self.redis.xinfo_consumers(self.key, self.group):
+            name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+            if (name != self.name and not info["pending"]
+                    and info["idle"] > DEAD_CONSUMER_IDLE_MS):
+                self.redis.xgroup_delconsumer(self.key, self.group, name)
+
+    def _put(self, batch: Batch) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(batch, timeout=0.5)
+            except queue.Full:
+                continue
+            return
+
+    def _read_loop(self) -> None:
+        next_claim = 0.0
+        backoff = 0.1
+        try:
+            while not self._stop.is_set():
+                try:
+                    if time.monotonic() >= next_claim:
+                        next_claim = time.monotonic() + self.claim_every_s
+                        entries = self._claim()
+                        if entries:
+                            self._reader_idle.clear()
+                            self.stats.claimed += len(entries)
+                            log.info("reclaimed %d pending usage entries", len(entries))
+                            self._put(self._decode(entries, claimed=True))
+                            continue
+                        self._forget_dead_consumers()
+                    ids_blob, payload_blob = self._read_script(
+                        keys=[self.key], args=[self.group, self.name, self.batch_size])
+                    if ids_blob:
+                        self._reader_idle.clear()
+                        self._put(self._decode_blob(ids_blob, payload_blob))
+                        continue
+                    # nothing waiting: block until something arrives
+                    reply = self.redis.xreadgroup(
+                        self.group, self.name, {self.key: ">"}, count=self.batch_size,
+                        block=self.block_ms,
+                    )
+                    backoff = 0.1
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    stream.ensure_group(self.redis)
+                    continue
+                except redis.RedisError as exc:
+                    log.warning("usage stream unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                entries = reply[0][1] if reply else []
+                if entries:
+                    self._reader_idle.clear()
+                    self._put(self._decode(entries, claimed=False))
+                else:
+                    self._reader_idle.set()
+        except BaseException as exc:  # surfaced by the writer, which stops the process
+            self._reader_error = exc
+            log.exception("usage stream reader crashed")
+        finally:
+            self._queue.put(None)
+
+    # -- writer (calling thread) ----------------------------------------------------------
+
+    def _record(self, batch: Batch) -> RecordResult:
+        backoff = 0.1
+        while True:
+            try:
+                if batch.bad:
+                    UsageDeadLetter.objects.bulk_create(
+                        UsageDeadLetter(payload=p.decode(errors="replace"), error=e,
+                                        origin="stream") for p, e in batch.bad
+                    )
+                    batch.bad = []
+                return recording.record_rows(batch.rows, origin="stream",
+                                             trusted_text=batch.trusted_text)
+            except Exception as exc:
+                recording.close_broken_connection(exc)
+                if self._stop.is_set():
+                    raise
+                log.warning("recording a usage batch failed (%s: %s); retrying in %.1fs",
+                            type(exc).__name__, exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _ack(self, batch: Batch) -> None:
+        for attempt in range(5):
+            try:
+                self._ack_script(keys=[self.key], args=[self.group, b" ".join(batch.ids)])
+            except redis.RedisError as exc:
+                log.warning("XACK failed (%s); attempt %d", exc, attempt + 1)
+                time.sleep(0.2 * (attempt + 1))
+            else:
+                return
+        # still pending: reclaimed and recorded again (as duplicates) after claim_idle_ms
+        log.error("could not acknowledge %d usage entries; they will be reclaimed",
+                  len(batch.ids))
+
+    def _housekeeping(self, now: float, due: dict[str, float]) -> None:
+        jobs = {
+            "trim": (5.0, lambda: stream.trim_acknowledged(self.redis)),
+            "spool": (conf.spool_replay_s(), services.usage_spool_replay),
+            "partitions": (3600.0, services.usage_partitions_ensure),
+        }
+        for name, (every, job) in jobs.items():
+            if now < due.get(name, 0.0):
+                continue
+            due[name] = now + every
+            try:
+                job()
+            except Exception as exc:
+                recording.close_broken_connection(exc)
+                log.warning("ingest housekeeping %s failed: %s", name, exc)
+
+    def _drained(self) -> bool:
+        if not self._reader_idle.is_set() or not self._queue.empty():
+            return False
+        try:
+            return self.redis.xpending(self.key, self.group)["pending"] == 0
+        except redis.RedisError:
+            return False
+
+    def run(self, *, drain: bool = False) -> IngestStats:
+        """Consume until ``stop()``; with ``drain``, also return once nothing is left to do."""
+        stream.ensure_group(self.redis)
+        due: dict[str, float] = {}
+        self._housekeeping(time.monotonic(), due)
+        reader = threading.Thread(target=self._read_loop, name="usage-reader", daemon=True)
+        reader.start()
+        try:
+            while True:
+                try:
+                    batch = self._queue.get(timeout=0.5)
+                except queue.Empty:
+                    self._housekeeping(time.monotonic(), due)
+                    if drain and self._drained():
+                        self.stop()
+                    if self._stop.is_set() and not reader.is_alive():
+                        break
+                    continue
+                if batch is None:
+                    break
+                result = self._record(batch)
+                committed = time.time()
+                self._ack(batch)
+                self.stats.batches += 1
+                self.stats.events += len(batch.ids)
+                self.stats.recorded += len(result.recorded)
+                self.stats.duplicates += len(result.duplicates)
+                self.stats.dead_lettered += len(result.dead_lettered)
+                if self.observer is not None:
+                    self.observer(batch, result, committed)
+                self._housekeeping(time.monotonic(), due)
+        finally:
+            self.stop()
+            reader.join(timeout=self.block_ms / 1000 + 10)
+        try:
+            stream.trim_acknowledged(self.redis)
+        except redis.RedisError as exc:
+            log.warning("final stream trim failed: %s", exc)
+        if self._reader_error is not None:
+            raise RuntimeError("usage stream reader crashed") from self._reader_error
+        return self.stats

@@ -1,0 +1,167 @@
+"""Usage events, their idempotency keys, hourly rollups and dead letters.
+
+``usage_event`` is append-only and partitioned by month on ``event_time`` (the table and its
+partitions are created by SQL in the migrations and by ``metering.partitions``; Django's model
+below describes the columns). A unique constraint on a partitioned table must include the
+partition key, so exact idempotency lives in ``usage_event_id``: one row per (organization,
+request id), inserted with ``ON CONFLICT DO NOTHING`` in the same transaction as the event.
+
+Token counts are tokens; ``amount`` and ``cost_to_serve`` keep 10 decimal places in the rated
+currency (cost-to-serve in the platform's currency, USD). Timings are milliseconds.
+
+Foreign keys on the event and rollup tables are not enforced by the database (``db_constraint``
+off) and never cascade: usage is a financial record that outlives keys and projects, and per-row
+RI checks would cost ingest throughput; the ids are checked where events enter (the gateway's
+authenticated principal, the external API's lookups).
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db import models
+from django.db.models.functions import Now
+
+from billing_platform.accounts.models import ApiKey, Organization, Project
+from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
+
+AMOUNT = {"max_digits": 28, "decimal_places": 10}
+
+
+def _fk(model: type[models.Model], **kwargs) -> models.ForeignKey:
+    return models.ForeignKey(
+        model, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
+        related_name="+", **kwargs,
+    )
+
+
+class UsageEvent(models.Model):
+    """One served request (or one externally reported one), rated. Append-only.
+
+    The database primary key is (id, event_time) because the table is partitioned by month;
+    ``id`` alone is unique in practice (one identity sequence) and is what Django uses.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    request_id = models.CharField(max_length=128, help_text="Idempotency key, unique per org.")
+    organization = _fk(Organization)
+    project = _fk(Project)
+    api_key = _fk(ApiKey, null=True, blank=True)
+    model = models.CharField(max_length=200)
+    region = models.CharField(max_length=64)
+    data_zone = models.CharField(max_length=16)
+    engine = models.CharField(max_length=200, blank=True, default="")
+    service_tier = models.CharField(max_length=16, choices=ServiceTier.choices)
+    capacity_source = models.CharField(max_length=16, choices=CapacitySource.choices)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    queue_ms = models.PositiveIntegerField(null=True, blank=True)
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True)
+    total_ms = models.PositiveIntegerField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=EventStatus.choices, default=EventStatus.OK)
+    cost_to_serve = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    event_time = models.DateTimeField()
+    # NULL, not "": the Batch API's batch id, and most events belong to no batch
+    batch_id = models.CharField(max_length=128, null=True, blank=True)  # noqa: DJ001
+    source = models.CharField(
+        max_length=16, choices=EventSource.choices, default=EventSource.GATEWAY
+    )
+    # rating, filled by plans.rating inside the ingest transaction
+    amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    currency = models.CharField(max_length=3)
+    price_version_id = models.BigIntegerField(null=True, blank=True)
+    rating_breakdown = models.JSONField(default=dict, help_text="token class -> decimal string")
+    credits_consumed = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    normalized_tokens = models.PositiveBigIntegerField(default=0)
+    recorded_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "usage_event"
+        indexes = [
+            models.Index(fields=["organization", "event_time"], name="usage_event_org_time"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} ({self.model}, {self.event_time:%Y-%m-%d %H:%M})"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class UsageEventId(models.Model):
+    """The idempotency key of a recorded event: exactly one row per (org, request id)."""
+
+    pk = models.CompositePrimaryKey("organization_id", "request_id")
+    organization_id = models.BigIntegerField()
+    request_id = models.CharField(max_length=128)
+    event_time = models.DateTimeField(help_text="Locates the event's partition.")
+
+    class Meta:
+        db_table = "usage_event_id"
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class UsageRollupHourly(models.Model):
+    """Sums of rated events per hour and dimension; kept in the ingest transaction.
+
+    Amounts are in ``currency`` (10 places); cost-to-serve is internal (never shown to
+    customers). Every number equals the sum over the matching ``usage_event`` rows.
+    """
+
+    organization = _fk(Organization)
+    project = _fk(Project)
+    api_key = _fk(ApiKey, null=True, blank=True)
+    model = models.CharField(max_length=200)
+    region = models.CharField(max_length=64)
+    service_tier = models.CharField(max_length=16, choices=ServiceTier.choices)
+    capacity_source = models.CharField(max_length=16, choices=CapacitySource.choices)
+    currency = models.CharField(max_length=3)
+    hour = models.DateTimeField(help_text="Start of the UTC hour.")
+    requests = models.PositiveBigIntegerField(default=0)
+    error_requests = models.PositiveBigIntegerField(default=0)
+    aborted_requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    normalized_tokens = models.PositiveBigIntegerField(default=0)
+    amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    credits_consumed = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    cost_to_serve = models.DecimalField(**AMOUNT, default=Decimal("0"))
+
+    class Meta:
+        db_table = "usage_rollup_hourly"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["organization", "project", "api_key", "model", "region",
+                        "service_tier", "capacity_source", "currency", "hour"],
+                name="usage_rollup_hourly_key", nulls_distinct=False,
+            ),
+        ]
+        indexes = [models.Index(fields=["organization", "hour"], name="usage_rollup_org_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} {self.model} {self.hour:%Y-%m-%d %H}:00"
+
+
+class UsageDeadLetter(models.Model):
+    """An event that could not be recorded (unreadable, or rating refused it), kept verbatim.
+
+    ``usage_deadletter_retry`` feeds them back through the normal record path once the cause
+    is fixed; the request id makes that safe to repeat.
+    """
+
+    payload = models.TextField(help_text="The event as it was appended (JSON).")
+    error = models.TextField()
+    origin = models.CharField(max_length=32, help_text="stream | spool | api | fallback")
+    created_at = models.DateTimeField(db_default=Now())
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "usage_deadletter"
+
+    def __str__(self) -> str:
+        return f"dead letter {self.pk} ({self.origin})"

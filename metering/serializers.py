@@ -1,0 +1,134 @@
+"""Wire shapes of the metering API. Validation only: no business logic here."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from metering.choices import CapacitySource, EventStatus, ServiceTier
+from metering.events import MAX_ID
+
+MAX_BATCH = 10_000
+
+
+class ExternalUsageEventSerializer(serializers.Serializer):
+    """One usage event reported by an engine outside the fleet. Tokens are the engine's."""
+
+    id = serializers.CharField(max_length=MAX_ID, help_text="Your event id: the idempotency "
+                               "key. A second event with the same id is a duplicate.")
+    project = serializers.CharField(required=False, help_text="Project id (proj_...). Defaults "
+                                    "to the calling key's project, or the key's project when "
+                                    "api_key is given.")
+    api_key = serializers.CharField(required=False, allow_null=True, default=None,
+                                    help_text="API key id (key_...) to attribute usage to.")
+    model = serializers.CharField(max_length=200)
+    region = serializers.CharField(max_length=64, default="external")
+    engine = serializers.CharField(max_length=200, default="", allow_blank=True)
+    service_tier = serializers.ChoiceField(choices=ServiceTier.choices,
+                                           default=ServiceTier.DEFAULT)
+    capacity_source = serializers.ChoiceField(
+        choices=[CapacitySource.ON_DEMAND, CapacitySource.PROVISIONED, CapacitySource.PLAN],
+        default=CapacitySource.ON_DEMAND,
+    )
+    prompt_tokens = serializers.IntegerField(min_value=0, max_value=2**53)
+    cached_tokens = serializers.IntegerField(min_value=0, max_value=2**53, default=0)
+    completion_tokens = serializers.IntegerField(min_value=0, max_value=2**53)
+    queue_ms = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
+                                        allow_null=True, default=None)
+    ttft_ms = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
+                                       allow_null=True, default=None)
+    total_ms = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
+                                        allow_null=True, default=None)
+    status = serializers.ChoiceField(choices=EventStatus.choices, default=EventStatus.OK)
+    event_time = serializers.DateTimeField(required=False, help_text="When the request ended "
+                                           "(ISO 8601 with offset); defaults to now.")
+    batch_id = serializers.CharField(max_length=MAX_ID, required=False, allow_null=True,
+                                     default=None)
+
+    def validate(self, attrs: dict) -> dict:
+        if attrs["cached_tokens"] > attrs["prompt_tokens"]:
+            raise serializers.ValidationError(
+                {"cached_tokens": "cached_tokens cannot exceed prompt_tokens."})
+        return attrs
+
+
+class UsageEventBatchSerializer(serializers.Serializer):
+    organization = serializers.CharField(required=False, help_text="Organization id (org_...). "
+                                         "Needed with a session when you belong to several.")
+    # items are validated one by one by the view, so one bad event does not reject the rest
+    events = serializers.ListField(child=serializers.JSONField(), min_length=1,
+                                   max_length=MAX_BATCH)
+
+
+class UsageEventBatchDocSerializer(serializers.Serializer):
+    """The documented request shape (the view validates each event on its own)."""
+
+    organization = serializers.CharField(required=False)
+    events = ExternalUsageEventSerializer(many=True, help_text=f"1 to {MAX_BATCH} events.")
+
+
+class UsageEventOutcomeSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    id = serializers.CharField()
+    status = serializers.ChoiceField(choices=["recorded", "duplicate"])
+
+
+class UsageEventErrorSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    id = serializers.CharField(allow_null=True)
+    code = serializers.CharField()
+    errors = serializers.DictField(help_text="field -> messages")
+
+
+class UsageEventBatchResultSerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage.ingest_result")
+    recorded = serializers.IntegerField()
+    duplicates = serializers.IntegerField()
+    rejected = serializers.IntegerField()
+    data = UsageEventOutcomeSerializer(many=True)
+    errors = UsageEventErrorSerializer(many=True)
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    organization = serializers.CharField(required=False)
+    start = serializers.CharField(required=False, help_text="Inclusive: a date (UTC midnight) "
+                                  "or an ISO timestamp on the hour. Default: start of the month.")
+    end = serializers.CharField(required=False, help_text="Exclusive, like start. Default: the "
+                                "end of the current hour.")
+    project = serializers.CharField(required=False, help_text="Comma-separated project ids.")
+    key = serializers.CharField(required=False, help_text="Comma-separated API key ids.")
+    model = serializers.CharField(required=False, help_text="Comma-separated model names.")
+    service_tier = serializers.CharField(required=False, help_text="Comma-separated tiers.")
+    group_by = serializers.CharField(required=False, help_text="Comma-separated: day, hour, "
+                                     "model, project, key, service_tier, capacity_source, region.")
+
+
+class UsageBucketSerializer(serializers.Serializer):
+    day = serializers.DateField(required=False)
+    hour = serializers.DateTimeField(required=False)
+    model = serializers.CharField(required=False)
+    project = serializers.CharField(required=False)
+    key = serializers.CharField(required=False, allow_null=True)
+    service_tier = serializers.CharField(required=False)
+    capacity_source = serializers.CharField(required=False)
+    region = serializers.CharField(required=False)
+    currency = serializers.CharField()
+    requests = serializers.IntegerField()
+    error_requests = serializers.IntegerField()
+    aborted_requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    cached_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    normalized_tokens = serializers.IntegerField()
+    amount = serializers.DecimalField(max_digits=28, decimal_places=10)
+    credits_consumed = serializers.DecimalField(max_digits=28, decimal_places=10)
+
+
+class UsageSummarySerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage")
+    organization = serializers.CharField()
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    group_by = serializers.ListField(child=serializers.CharField())
+    data = UsageBucketSerializer(many=True)
+    totals = UsageBucketSerializer(many=True, help_text="One entry per currency.")

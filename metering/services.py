@@ -1,0 +1,176 @@
+"""Writes of the metering app: append a usage event durably, record batches, replay the spool.
+
+``usage_event_append`` is what the gateway calls before a response ends. It tries, in order:
+
+1. ``XADD`` to the Redis stream (the consumer records it within about a second);
+2. when Redis fails, the direct PostgreSQL write the consumer itself uses (same dedup);
+3. when PostgreSQL fails too, an fsync'd line in the local spool, replayed later.
+
+It returns which one took the event. A path that fails after it may have succeeded (an XADD
+that timed out after Redis applied it) is harmless: the request id makes the second copy a
+duplicate wherever the two meet. When even the spool cannot be written it raises
+``UsageNotRecorded``: the event exists nowhere, and the caller must treat the request as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import redis
+from asgiref.sync import sync_to_async
+from django.db import DatabaseError, connection
+from django.utils import timezone
+
+from billing_platform.errors import DomainError, InvalidRequest
+from metering import conf, events, partitions, recording, spool, stream
+from metering.events import UsageEventData
+from metering.models import UsageDeadLetter
+from metering.recording import RecordResult
+
+log = logging.getLogger(__name__)
+
+AppendPath = Literal["redis", "postgres", "spool"]
+
+
+class UsageNotRecorded(DomainError):
+    """Redis, PostgreSQL and the local spool all refused the event."""
+
+    code = "usage_not_recorded"
+    status = 503
+
+
+_spool_writers: dict[str, spool.SpoolWriter] = {}
+
+
+def _spool_writer() -> spool.SpoolWriter:
+    directory = conf.spool_dir()
+    writer = _spool_writers.get(str(directory))
+    if writer is None:
+        writer = _spool_writers.setdefault(str(directory), spool.SpoolWriter(directory))
+    return writer
+
+
+def _append_without_redis(data: UsageEventData, payload: bytes) -> AppendPath:
+    try:
+        recording.record_events([data], origin="fallback")
+    except Exception as exc:  # whatever stops PostgreSQL taking it, the spool keeps it
+        recording.close_broken_connection(exc)
+        log.warning("usage event %s: PostgreSQL did not take it either (%s); spooling it",
+                    data.request_id, exc)
+    else:
+        return "postgres"
+    try:
+        _spool_writer().append(payload)
+    except OSError as exc:
+        log.error("usage event %s could not be recorded anywhere: %s", data.request_id, exc)
+        raise UsageNotRecorded(f"Usage event {data.request_id} could not be recorded.") from exc
+    return "spool"
+
+
+def usage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
+    """Append one usage event durably; return where it went: redis, postgres or spool.
+
+    ``event`` is a ``UsageEventData`` or a dict of its fields (see ``metering.events``).
+    Raise ``InvalidRequest`` for an invalid event, ``UsageNotRecorded`` when nothing took it.
+    """
+    data = events.normalize(event)
+    payload = events.encode(data)
+    if stream.breaker.allow():
+        try:
+            stream.append(payload)
+        except redis.RedisError as exc:
+            stream.breaker.trip()
+            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+        else:
+            return "redis"
+    return _append_without_redis(data, payload)
+
+
+async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
+    """Async ``usage_event_append`` for the gateway: XADD on the loop, fallbacks in a thread."""
+    data = events.normalize(event)
+    payload = events.encode(data)
+    if stream.breaker.allow():
+        try:
+            await stream.aappend(payload)
+        except redis.RedisError as exc:
+            stream.breaker.trip()
+            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+        else:
+            return "redis"
+    return await sync_to_async(_append_without_redis)(data, payload)
+
+
+def usage_events_record(event_list: Sequence[UsageEventData], *, origin: str) -> RecordResult:
+    """Record already-validated events in PostgreSQL now, exactly once; say what happened."""
+    return recording.record_events(event_list, origin=origin)
+
+
+def _decode_or_dead_letter(lines: Iterable[bytes], origin: str) -> list[events.Row]:
+    good = []
+    for line in lines:
+        try:
+            good.append(events.decode_row(line))
+        except InvalidRequest as exc:
+            UsageDeadLetter.objects.create(payload=line.decode(errors="replace"),
+                                           error=exc.message, origin=origin)
+    return good
+
+
+def _spool_sink(lines: list[bytes]) -> None:
+    """Make spooled lines durable: record them in PostgreSQL, else put them on the stream."""
+    try:
+        recording.record_rows(_decode_or_dead_letter(lines, "spool"), origin="spool")
+    except Exception as exc:
+        recording.close_broken_connection(exc)
+        log.warning("spool replay: PostgreSQL unavailable (%s); trying the stream", exc)
+        stream.append_many(lines)  # raises if Redis is down too: the file is kept
+
+
+def usage_spool_replay() -> spool.ReplayReport:
+    """Replay this host's spool files into PostgreSQL (or the stream); delete what is done."""
+    report = spool.replay(conf.spool_dir(), _spool_sink)
+    if report.files or report.left:
+        log.info("usage spool replay: %d file(s), %d event line(s), %d left for later",
+                 report.files, report.lines, report.left)
+    return report
+
+
+def usage_partitions_ensure(*, months_ahead: int = 2) -> list[str]:
+    """Create this month's usage_event partition and the next ``months_ahead``."""
+    return partitions.ensure_ahead(months_ahead=months_ahead)
+
+
+def usage_deadletter_retry(*, limit: int = 10_000) -> RecordResult:
+    """Record dead-lettered events again (after the cause was fixed); resolve those that went in.
+
+    A letter that fails again stays unresolved with the new error.
+    """
+    result = RecordResult()
+    for letter in UsageDeadLetter.objects.filter(resolved_at__isnull=True).order_by("id")[:limit]:
+        try:
+            data = events.decode(letter.payload)
+            result.merge(recording.record_events([data], origin="retry", isolate=False))
+        except recording.TRANSIENT:
+            raise
+        except Exception as exc:  # the rater or the data refused it again: keep the letter
+            letter.error = f"{type(exc).__name__}: {exc}"
+            letter.save(update_fields=["error"])
+        else:
+            letter.resolved_at = timezone.now()
+            letter.save(update_fields=["resolved_at"])
+    return result
+
+
+def connection_usable() -> bool:
+    """Return whether PostgreSQL answers right now (used before replays)."""
+    try:
+        connection.ensure_connection()
+        with connection.cursor() as cur:
+            cur.execute("SELECT 1")
+    except DatabaseError as exc:
+        recording.close_broken_connection(exc)
+        return False
+    return True

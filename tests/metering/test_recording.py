@@ -1,0 +1,175 @@
+"""The record path: exactly once, rated, rollups equal to the events, monthly partitions."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.db.models import Count, Sum
+
+from billing_platform.errors import InvalidRequest
+from metering import events, partitions, services
+from metering.models import UsageDeadLetter, UsageEvent, UsageEventId, UsageRollupHourly
+
+SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens", "normalized_tokens", "amount",
+          "credits_consumed", "cost_to_serve")
+DIMENSIONS = ("organization_id", "project_id", "api_key_id", "model", "region", "service_tier",
+              "capacity_source", "currency")
+
+
+def _varied_events(tenant, n: int, *, seed: int = 1) -> list[events.UsageEventData]:
+    rng = random.Random(seed)
+    now = datetime.now(UTC)
+    out = []
+    for i in range(n):
+        project, key = rng.choice([(tenant.project, tenant.key), (tenant.project2, tenant.key2),
+                                   (tenant.project, None)])
+        prompt = rng.randrange(1, 5000)
+        out.append(events.normalize(tenant.event(
+            f"req-{seed}-{i}", project_id=project.id, api_key_id=key.id if key else None,
+            model=rng.choice(["test-model", "big-model"]),
+            region=rng.choice(["us-east", "eu-west"]),
+            service_tier=rng.choice(["default", "priority", "flex", "batch"]),
+            status=rng.choice(["ok", "ok", "ok", "client_aborted", "engine_error"]),
+            prompt_tokens=prompt, cached_tokens=rng.randrange(0, prompt + 1),
+            completion_tokens=rng.randrange(0, 900),
+            event_time=now - timedelta(hours=rng.randrange(0, 24 * 45), seconds=rng.random()),
+            cost_to_serve=f"0.{rng.randrange(10**9):09d}",
+        )))
+    return out
+
+
+def _rollups_by_key() -> dict[tuple, dict]:
+    out = {}
+    for r in UsageRollupHourly.objects.values():
+        out[(*(r[d] for d in DIMENSIONS), r["hour"])] = r
+    return out
+
+
+def _events_by_key() -> dict[tuple, dict]:
+    from django.db.models.functions import TruncHour
+
+    rows = (UsageEvent.objects.annotate(hour=TruncHour("event_time", tzinfo=UTC))
+            .values(*DIMENSIONS, "hour")
+            .annotate(requests=Count("id"), **{f"s_{c}": Sum(c) for c in SUMMED}))
+    return {(*(r[d] for d in DIMENSIONS), r["hour"]): r for r in rows}
+
+
+def test_rollups_equal_the_sums_of_the_events_and_survive_redelivery(tenant):
+    # given 600 events over 45 days, several projects, keys, models, regions and tiers
+    batch = _varied_events(tenant, 600)
+
+    # when they are recorded, then recorded again (a redelivered batch) and in another order
+    first = services.usage_events_record(batch, origin="test")
+    again = services.usage_events_record(list(reversed(batch)), origin="test")
+
+    # then every event is there once, and every hourly rollup equals its events' sums
+    assert len(first.recorded) == 600 and not first.duplicates
+    assert not again.recorded and len(again.duplicates) == 600
+    assert UsageEvent.objects.count() == 600 == UsageEventId.objects.count()
+    rollups, sums = _rollups_by_key(), _events_by_key()
+    assert rollups.keys() == sums.keys()
+    for key, ev in sums.items():
+        roll = rollups[key]
+        assert roll["requests"] == ev["requests"]
+        for column in SUMMED:
+            assert roll[column] == ev[f"s_{column}"], (key, column)
+    assert sum(r["error_requests"] for r in rollups.values()) == sum(
+        1 for e in batch if e.status == "engine_error")
+    assert sum(r["aborted_requests"] for r in rollups.values()) == sum(
+        1 for e in batch if e.status == "client_aborted")
+
+
+def test_events_are_rated_with_the_price_book_in_force(tenant):
+    # given test-model at 1.00 in / 2.00 out per 1M (cached input 0.1 x input)
+    event = events.normalize(tenant.event("req-rated", prompt_tokens=1_000_000,
+                                          cached_tokens=400_000, completion_tokens=500_000))
+
+    services.usage_events_record([event], origin="test")
+
+    # then amount = 600k x 1.00 + 400k x 0.10 + 500k x 2.00, per 1M tokens
+    stored = UsageEvent.objects.get(request_id="req-rated")
+    assert stored.amount == Decimal("1.6400000000")
+    assert stored.currency == "USD"
+    assert stored.price_version_id is not None
+    assert sum(Decimal(v) for v in stored.rating_breakdown.values()) == stored.amount
+    assert stored.data_zone == tenant.org.data_zone
+
+
+def test_a_duplicate_inside_one_batch_is_recorded_once(tenant):
+    event = events.normalize(tenant.event("req-twice"))
+
+    result = services.usage_events_record([event, event], origin="test")
+
+    assert result.recorded == [(tenant.org.id, "req-twice")]
+    assert result.duplicates == [(tenant.org.id, "req-twice")]
+    assert UsageRollupHourly.objects.get().requests == 1
+
+
+def test_late_and_early_events_get_their_month_partition(transactional_db, tenant):
+    # given events 11 months ago and 20 hours ahead (clock skew), months without partitions
+    now = datetime.now(UTC)
+    late = events.normalize(tenant.event("req-late", event_time=now - timedelta(days=330)))
+    early = events.normalize(tenant.event("req-early", event_time=now + timedelta(hours=20)))
+
+    services.usage_events_record([late, early], origin="test")
+
+    months = partitions.existing()
+    assert partitions.month_of(late.event_time) in months
+    assert partitions.month_of(early.event_time) in months
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT request_id FROM {partitions.partition_name(partitions.month_of(late.event_time))}")  # noqa: E501, S608
+        assert cur.fetchall() == [("req-late",)]
+
+
+def test_partitions_are_created_ahead(transactional_db):
+    created_or_known = services.usage_partitions_ensure(months_ahead=2)
+
+    current = partitions.month_of(datetime.now(UTC))
+    expected = {partitions.add_months(current, n) for n in range(3)}
+    assert expected <= partitions.existing()
+    assert all(name.startswith("usage_event_y") for name in created_or_known)
+
+
+def test_an_unpriced_event_is_dead_lettered_and_the_rest_recorded(tenant):
+    # given a batch where one event uses a model no price book prices
+    good = [events.normalize(tenant.event(f"req-ok-{i}")) for i in range(7)]
+    bad = events.normalize(tenant.event("req-unpriced", model="nobody-prices-me"))
+
+    result = services.usage_events_record([*good[:3], bad, *good[3:]], origin="test")
+
+    assert len(result.recorded) == 7
+    assert result.dead_lettered == [(tenant.org.id, "req-unpriced")]
+    letter = UsageDeadLetter.objects.get()
+    assert "nobody-prices-me" in letter.payload and letter.resolved_at is None
+
+    # when the model gets a price and the dead letters are retried
+    from tests.factories import make_price_book
+
+    make_price_book(prices=[{"model": "nobody-prices-me", "input": "1", "output": "1"}])
+    services.usage_deadletter_retry()
+
+    assert UsageEvent.objects.filter(request_id="req-unpriced").count() == 1
+    assert UsageDeadLetter.objects.get().resolved_at is not None
+    assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 8
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("prompt_tokens", -1), ("cached_tokens", 5000), ("service_tier", "turbo"),
+    ("status", "fine"), ("model", "tab\tmodel"), ("event_time", "yesterday"),
+    ("event_time", "2001-01-01T00:00:00+00:00"), ("request_id", "x" * 129),
+])
+def test_invalid_events_are_refused_naming_the_field(tenant, field, value):
+    with pytest.raises(InvalidRequest) as info:
+        services.usage_event_append({**tenant.event("req-bad"), field: value})
+
+    assert info.value.param == field
+
+
+def test_wire_form_round_trips(tenant):
+    event = events.normalize(tenant.event("req-wire", batch_id="batch_1", queue_ms=None))
+
+    assert events.decode(events.encode(event)) == event
