@@ -103,6 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         env = {**os.environ, **services.ensure(), "PYTHONUNBUFFERED": "1"}
         say("applying migrations")
         _manage("migrate", "--noinput", "-v", "0", env=env)
+        _manage("seed_catalog", env=env)
         _manage("seed_demo", env=env)
         say("starting the engine fleet" + (" (simulated pools only)" if args.sim_only else
             "; the first run builds real SGLang for the CPU (~3.5 GB, a few minutes)"))

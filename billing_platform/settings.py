@@ -127,6 +127,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",
+    "ENUM_NAME_OVERRIDES": {
+        "PlanKindEnum": "plans.choices.PlanKind",
+        "CreditGrantKindEnum": "plans.choices.CreditGrantKind",
+    },
 }
 
 # Celery: queues as in DESIGN.md; delivery options are declared once, on each task.
@@ -145,6 +149,10 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": "INFO"},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
+
+# Gateway: largest /v1 JSON body accepted (413 above it).
+GATEWAY_MAX_BODY_BYTES = 8 * 1024 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 
 # API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
 API_KEY_CACHE_TTL_S = 300

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
@@ -39,3 +40,14 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return f'{self.keyword} realm="tollgate"'
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    """Describe API-key auth in the OpenAPI schema as an HTTP bearer scheme."""
+
+    target_class = "billing_platform.accounts.authentication.ApiKeyAuthentication"
+    name = "ApiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "tg-<prefix>_<secret>",
+                "description": "A Tollgate API key with the scope the endpoint needs."}
