@@ -1,0 +1,214 @@
+"""Gateway overhead benchmark: the same workload straight to a simulated engine, through the
+Tollgate gateway (auth, admission hook and metering on), and through the LiteLLM proxy, in one
+run on one machine.
+
+Prints one JSON line: added TTFT and total latency (p50, p99) of the gateway over direct at
+concurrency 1 (streaming and non-streaming), and throughput at saturation as ratios
+gateway/direct and gateway/LiteLLM.
+
+    .venv/bin/python bench/gateway.py [--requests 300] [--concurrency 64]
+
+Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
+``./tollgate services``) and, for the LiteLLM column, ``litellm[proxy]`` in
+``.tollgate/litellm-venv`` (``python3 -m venv .tollgate/litellm-venv &&
+.tollgate/litellm-venv/bin/pip install 'litellm[proxy]'``); without it that column is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+
+from engine_adapter.sim.testing import free_port, start_sim
+
+LITELLM = ROOT / ".tollgate" / "litellm-venv" / "bin" / "litellm"
+
+
+def log(msg: str) -> None:
+    print(f"[gateway-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one(http: httpx.AsyncClient, url: str, headers: dict, *, stream: bool,
+              n: int) -> tuple[float, float]:
+    body = {"model": "bench", "messages": [{"role": "user", "content": f"Request {n}: hello"}],
+            "max_tokens": 16, "stream": stream}
+    t0 = time.perf_counter()
+    ttft = None
+    if stream:
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"content"' in line:
+                    ttft = time.perf_counter() - t0
+    else:
+        r = await http.post(url, json=body, headers=headers)
+        r.raise_for_status()
+        ttft = time.perf_counter() - t0
+    return (ttft or 0) * 1000, (time.perf_counter() - t0) * 1000
+
+
+async def latency(url: str, headers: dict, *, stream: bool, requests: int) -> dict:
+    async with httpx.AsyncClient(timeout=60) as http:
+        for n in range(10):  # warm-up: connections, caches
+            await one(http, url, headers, stream=stream, n=-n)
+        samples = [await one(http, url, headers, stream=stream, n=n) for n in range(requests)]
+    ttft = [s[0] for s in samples]
+    total = [s[1] for s in samples]
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
+
+
+async def throughput(url: str, headers: dict, *, concurrency: int, seconds: float) -> float:
+    done = 0
+    deadline = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        async def worker(w: int) -> None:
+            nonlocal done
+            n = 0
+            while time.perf_counter() < deadline:
+                await one(http, url, headers, stream=n % 2 == 0, n=w * 100000 + n)
+                done += 1
+                n += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+def setup_platform(sim_url: str) -> str:
+    """Migrate, create an org with a key, register the sim engine; return the key."""
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from billing_platform.accounts import services
+    from billing_platform.accounts.models import User
+    from engine_adapter.choices import EngineStatus, Launch
+    from engine_adapter.models import EngineInstance, Pool
+
+    call_command("migrate", "--noinput", verbosity=0)
+    EngineInstance.objects.filter(pool__name="bench").delete()
+    Pool.objects.filter(name="bench").delete()
+    pool = Pool.objects.create(name="bench", model="bench", region="us-east", zone="us",
+                               launch=Launch.EXTERNAL, external_urls=[sim_url])
+    EngineInstance.objects.create(pool=pool, replica=0, engine_id="bench-0", url=sim_url,
+                                  status=EngineStatus.HEALTHY)
+    user = User.objects.filter(email="bench@tollgate.local").first() or \
+        User.objects.create_user(email="bench@tollgate.local", password=None)
+    org = services.organization_create(name="Bench", owner=user)
+    _key, secret = services.api_key_create(project=org.projects.get(), name="bench",
+                                           scopes=["inference"])
+    return secret
+
+
+def start_litellm(sim_url: str) -> tuple[subprocess.Popen | None, str | None]:
+    if not LITELLM.exists():
+        log(f"LiteLLM not installed at {LITELLM}; skipping that column")
+        return None, None
+    cfg = Path(tempfile.mkdtemp()) / "litellm.yaml"
+    cfg.write_text(f"model_list:\n  - model_name: bench\n    litellm_params:\n"
+                   f"      model: openai/bench\n      api_base: {sim_url}/v1\n"
+                   f"      api_key: none\n")
+    port = free_port()
+    proc = subprocess.Popen([str(LITELLM), "--config", str(cfg), "--port", str(port),
+                             "--host", "127.0.0.1", "--num_workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health/liveliness", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    log("LiteLLM did not start; skipping that column")
+    return None, None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=15.0)
+    args = p.parse_args()
+
+    sim = start_sim(served_model_name="bench", max_running_requests=1024,
+                    prefill_tokens_per_s=10_000_000, decode_tokens_per_s=2_000)
+    secret = setup_platform(sim.base_url)
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+         "--log-level", "warning"], cwd=ROOT, start_new_session=True)
+    gw = f"http://127.0.0.1:{port}"
+    litellm, litellm_url = start_litellm(sim.base_url)
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(f"{gw}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {secret}"}
+        targets = {"direct": (f"{sim.base_url}/v1/chat/completions", {}),
+                   "gateway": (f"{gw}/v1/chat/completions", auth)}
+        if litellm_url:
+            targets["litellm"] = (f"{litellm_url}/v1/chat/completions", {})
+        lat = {}
+        for name, (url, headers) in targets.items():
+            for stream in (True, False):
+                key = f"{name}_{'stream' if stream else 'json'}"
+                lat[key] = asyncio.run(latency(url, headers, stream=stream,
+                                               requests=args.requests))
+                log(f"{key}: {lat[key]}")
+        rps = {}
+        for name, (url, headers) in targets.items():
+            rps[name] = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
+                                               seconds=args.seconds))
+            log(f"{name}: {rps[name]:.0f} req/s at concurrency {args.concurrency}")
+    finally:
+        for proc in (gateway, litellm):
+            if proc is not None:
+                proc.terminate()
+        sim.stop()
+
+    def added(metric: str, kind: str) -> float:
+        return round(lat[f"gateway_{kind}"][metric] - lat[f"direct_{kind}"][metric], 3)
+
+    print(json.dumps({
+        "requests": args.requests, "concurrency": args.concurrency,
+        "added_ttft_p50_ms": added("ttft_p50", "stream"),
+        "added_ttft_p99_ms": added("ttft_p99", "stream"),
+        "added_total_p50_ms": added("total_p50", "json"),
+        "added_total_p99_ms": added("total_p99", "json"),
+        "throughput_ratio_vs_direct": round(rps["gateway"] / rps["direct"], 3),
+        "throughput_ratio_vs_litellm": (round(rps["gateway"] / rps["litellm"], 3)
+                                        if "litellm" in rps else None),
+        "rps": {k: round(v, 1) for k, v in rps.items()},
+        "latency_ms": {k: {m: round(x, 3) for m, x in v.items()} for k, v in lat.items()},
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

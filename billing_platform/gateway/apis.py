@@ -1,0 +1,130 @@
+"""The OpenAI-compatible /v1 endpoints, as async Django views.
+
+Async Django views rather than a separate ASGI app: one URL map, one auth path and one
+deployment; the gateway's own work (auth cache hit, validation, relay) stays on the event loop,
+so the added latency is what bench/gateway.py measures, not a thread hop per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from billing_platform.accounts.choices import Scope
+from billing_platform.accounts.selectors import KeyPrincipal, aapi_key_authenticate
+from billing_platform.gateway import services
+from billing_platform.gateway.errors import GatewayError, invalid
+from billing_platform.gateway.validation import parse_chat, parse_completion
+
+View = Callable[..., Awaitable[HttpResponse]]
+
+
+def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("POST",)):
+    """Authenticate the bearer key, check scope and method, map errors to OpenAI's shape."""
+
+    def decorator(view: View) -> View:
+        @csrf_exempt
+        @wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            request_id = services.new_request_id()
+            try:
+                if request.method not in methods:
+                    raise GatewayError(405, f"Method {request.method} not allowed.",
+                                       code="method_not_allowed")
+                principal = await _authenticate(request)
+                if not principal.has_scope(scope):
+                    raise GatewayError(403, f"This API key lacks the '{scope}' scope.",
+                                       code="insufficient_scope")
+                return await view(request, principal, request_id, *args, **kwargs)
+            except GatewayError as exc:
+                return exc.response(request_id)
+
+        return wrapper
+
+    return decorator
+
+
+async def _authenticate(request: HttpRequest) -> KeyPrincipal:
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer ") or not header[7:].strip():
+        raise GatewayError(401, "You didn't provide an API key. Provide it in the "
+                                "Authorization header as 'Bearer YOUR_KEY'.",
+                           code="missing_api_key")
+    principal = await aapi_key_authenticate(header[7:])
+    if principal is None:
+        raise GatewayError(401, "Incorrect, revoked or expired API key provided.",
+                           code="invalid_api_key")
+    return principal
+
+
+def _json_body(request: HttpRequest) -> Any:
+    length = int(request.headers.get("Content-Length") or 0)
+    if length > settings.GATEWAY_MAX_BODY_BYTES:
+        raise GatewayError(413, f"Request body of {length} bytes exceeds the limit of "
+                                f"{settings.GATEWAY_MAX_BODY_BYTES} bytes.",
+                           code="request_too_large")
+    try:
+        return json.loads(request.body)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("We could not parse the JSON body of your request. Send valid "
+                      "JSON with Content-Type: application/json.") from None
+
+
+async def _respond(served: services.Served) -> HttpResponse:
+    if served.stream is not None:
+        response = StreamingHttpResponse(served.stream, content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+    else:
+        response = JsonResponse(served.body)
+    for name, value in served.headers.items():
+        response[name] = value
+    return response
+
+
+@openai_endpoint()
+async def chat_completions(request: HttpRequest, principal: KeyPrincipal,
+                           request_id: str) -> HttpResponse:
+    req = parse_chat(_json_body(request))
+    return await _respond(await services.serve(principal=principal, req=req,
+                                               request_id=request_id))
+
+
+@openai_endpoint()
+async def completions(request: HttpRequest, principal: KeyPrincipal,
+                      request_id: str) -> HttpResponse:
+    req = parse_completion(_json_body(request))
+    return await _respond(await services.serve(principal=principal, req=req,
+                                               request_id=request_id))
+
+
+def _model_object(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": int(time.time()) // 86400 * 86400,
+            "owned_by": "tollgate"}
+
+
+@openai_endpoint(methods=("GET",))
+async def models(request: HttpRequest, principal: KeyPrincipal,
+                 request_id: str) -> HttpResponse:
+    names = await services.models_for(principal)
+    response = JsonResponse({"object": "list", "data": [_model_object(m) for m in names]})
+    response["x-request-id"] = request_id
+    return response
+
+
+@openai_endpoint(methods=("GET",))
+async def model_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
+                       model_id: str) -> HttpResponse:
+    if model_id not in await services.models_for(principal):
+        raise GatewayError(404, f"The model '{model_id}' does not exist or you do not have "
+                                "access to it.", code="model_not_found", param="model")
+    response = JsonResponse(_model_object(model_id))
+    response["x-request-id"] = request_id
+    return response

@@ -1,0 +1,206 @@
+"""Serve one /v1 inference request: resolve the model in the caller's zone, forward it through
+the engine adapter, relay the answer in OpenAI's shape, and meter the engine's usage durably
+before the response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.gateway.errors import GatewayError
+from billing_platform.gateway.validation import InferenceRequest
+from engine_adapter.client import EngineCall
+from engine_adapter.registry import get_fleet
+from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
+
+# SGLang with --enable-priority-scheduling runs larger priority values first.
+ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+@dataclass
+class Served:
+    """What the view needs to answer: a JSON body or an SSE stream, plus headers."""
+
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def allowed_regions_for(principal: KeyPrincipal, model: str) -> set[str] | None:
+    """Return the regions this caller's request for ``model`` may run in, or raise 404."""
+    fleet = get_fleet()
+    await fleet.arefresh_if_stale()
+    served = fleet.router.regions_of(model)
+    if not served or not principal.may_use_model(model):
+        raise GatewayError(404, f"The model '{model}' does not exist or you do not have "
+                                "access to it.", code="model_not_found", param="model")
+    zone = fleet.regions_in_zone(principal.data_zone)
+    if zone is not None and not served & zone:
+        raise GatewayError(404, f"The model '{model}' is not offered in your organization's "
+                                f"data zone ({principal.data_zone}).", code="model_not_found",
+                           param="model")
+    return zone
+
+
+async def models_for(principal: KeyPrincipal) -> list[str]:
+    """Return the models this key may use in its organization's data zone."""
+    fleet = get_fleet()
+    await fleet.arefresh_if_stale()
+    zone = fleet.regions_in_zone(principal.data_zone)
+    return sorted(m for m in fleet.router.models()
+                  if principal.may_use_model(m)
+                  and (zone is None or fleet.router.regions_of(m) & zone))
+
+
+def openai_usage(result: CallResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
+                engine: EngineInfo | None, result: CallResult | None, status: str,
+                started: datetime) -> dict[str, Any]:
+    """Build the usage event of one request from the ENGINE's counts."""
+    billable = result is not None and status != "engine_error_before_output"
+    return {
+        "request_id": request_id,
+        "org_id": principal.org_id,
+        "project_id": principal.project_id,
+        "api_key_id": principal.key_id,
+        "model": model,
+        "region": engine.region if engine else "",
+        "data_zone": principal.data_zone,
+        "engine": engine.engine_id if engine else "",
+        "service_tier": tier,
+        "capacity_source": "on_demand",
+        "prompt_tokens": result.prompt_tokens if billable else 0,
+        "cached_tokens": result.cached_tokens if billable else 0,
+        "completion_tokens": result.completion_tokens if billable else 0,
+        "queue_ms": round(result.queue_ms) if result else None,
+        "ttft_ms": round(result.ttft_ms) if result and result.ttft_ms is not None else None,
+        "total_ms": round(result.total_ms) if result else None,
+        "status": "engine_error" if status == "engine_error_before_output" else status,
+        "cost_to_serve": str(result.cost_to_serve) if result else "0",
+        "event_time": started.isoformat(),
+    }
+
+
+async def _append(event: dict[str, Any]) -> None:
+    from metering.services import ausage_event_append
+
+    # Shielded: a client that disconnects must not cancel the durable append.
+    await asyncio.shield(ausage_event_append(event))
+
+
+async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
+                request_id: str) -> Served:
+    """Run one inference request; raise GatewayError for answers that are errors."""
+    started = datetime.now(tz=UTC)
+    allowed = await allowed_regions_for(principal, req.model)
+    tier = "default" if req.service_tier == "auto" else req.service_tier
+    fleet = get_fleet()
+    call = fleet.client.call(
+        model=req.model, path=PATHS[req.kind], body=req.engine_body,
+        namespace=principal.org_public_id, prompt_text=req.prompt_text,
+        allowed_regions=allowed, priority=ENGINE_PRIORITY[tier], request_id=request_id,
+    )
+    try:
+        await call.__aenter__()
+    except NoCapacity as exc:
+        raise GatewayError.from_engine(exc) from exc
+    except EngineError as exc:
+        engine = call.tried[-1] if call.tried else None
+        await _append(usage_event(principal=principal, request_id=request_id, model=req.model,
+                                  tier=tier, engine=engine, result=None,
+                                  status="engine_error_before_output", started=started))
+        raise GatewayError.from_engine(exc) from exc
+    engine = call.tried[-1]
+    headers = {"x-request-id": request_id, "x-tollgate-region": engine.region,
+               "openai-model": req.model}
+    object_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{request_id[4:]}"
+    if not req.stream:
+        await call.__aexit__(None, None, None)
+        result = call.result
+        body = call.body or {}
+        body.update(id=object_id, service_tier=tier, usage=openai_usage(result))
+        body.pop("metadata", None)
+        await _append(usage_event(principal=principal, request_id=request_id, model=req.model,
+                                  tier=tier, engine=engine, result=result, status=result.status,
+                                  started=started))
+        return Served(headers=headers, body=body)
+    return Served(headers=headers, stream=_relay(call, req=req, principal=principal,
+                                                 request_id=request_id, tier=tier,
+                                                 object_id=object_id, started=started))
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _relay(call: EngineCall, *, req: InferenceRequest, principal: KeyPrincipal,
+                 request_id: str, tier: str, object_id: str,
+                 started: datetime) -> AsyncIterator[bytes]:
+    """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
+    engine = call.tried[-1]
+    metered = False
+
+    async def meter() -> None:
+        nonlocal metered
+        if not metered:
+            metered = True
+            await call.__aexit__(None, None, None)
+            result = call.result
+            await _append(usage_event(principal=principal, request_id=request_id,
+                                      model=req.model, tier=tier, engine=engine, result=result,
+                                      status=result.status, started=started))
+
+    error_frame = None
+    t0 = time.monotonic()
+    try:
+        try:
+            async for chunk in call.chunks():
+                chunk["id"] = object_id
+                chunk["service_tier"] = tier
+                if not chunk.get("choices"):
+                    if req.include_usage and chunk.get("usage"):
+                        chunk["usage"] = openai_usage(call.result)
+                        yield _sse(chunk)
+                    continue
+                if req.include_usage:
+                    chunk["usage"] = None
+                else:
+                    chunk.pop("usage", None)
+                yield _sse(chunk)
+        except EngineError as exc:
+            error_frame = _sse({"error": {"message": f"{exc} (after "
+                                          f"{time.monotonic() - t0:.1f}s of streaming)",
+                                          "type": "server_error", "param": None,
+                                          "code": exc.code}})
+        await meter()
+        if error_frame is not None:
+            yield error_frame
+        yield _sse("[DONE]")
+    finally:
+        # Client disconnect (generator closed or task cancelled): record what was delivered.
+        if not metered:
+            await asyncio.shield(meter())

@@ -1,0 +1,129 @@
+"""A live gateway for /v1 tests: uvicorn serving the real ASGI app on the test database, in
+front of simulated engines registered as a fleet, so the official ``openai`` SDK talks HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+from engine_adapter.choices import EngineStatus, Launch
+from engine_adapter.models import EngineInstance, Pool
+from engine_adapter.sim.testing import FAST_RATES, SimProcess, free_port, start_sim
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_database_url() -> str:
+    s = connection.settings_dict
+    return f"postgres://{s['USER'] or 'postgres'}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
+
+
+@dataclass
+class LiveGateway:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    sims: dict[str, SimProcess] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def register_engine(sim: SimProcess, *, pool: str, region: str, zone: str,
+                    gpu_hourly_cost: str = "2.00") -> EngineInstance:
+    p, _ = Pool.objects.get_or_create(name=pool, defaults={
+        "model": sim.model, "region": region, "zone": zone, "launch": Launch.EXTERNAL,
+        "gpu_hourly_cost": Decimal(gpu_hourly_cost), "external_urls": [sim.base_url]})
+    replica = p.instances.count()
+    return EngineInstance.objects.create(pool=p, replica=replica, engine_id=f"{pool}-{replica}",
+                                         url=sim.base_url, status=EngineStatus.HEALTHY)
+
+
+def start_gateway(tmp_path: Path, env: dict[str, str] | None = None) -> LiveGateway:
+    port = free_port()
+    log_path = tmp_path / f"gateway-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log"],
+        cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        env={**os.environ, "DATABASE_URL": test_database_url(),
+             "TOLLGATE_FLEET_REFRESH_S": "0.2", **(env or {})},
+    )
+    gateway = LiveGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{gateway.url}/v1/models", timeout=1)
+            return gateway
+        except httpx.HTTPError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"gateway did not start:\n{gateway.log()}")
+
+
+def stop_gateway(gateway: LiveGateway) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()
+
+
+GATEWAY_MODELS = ("small", "big-us-only", "slow", "doomed")
+
+
+@pytest.fixture
+def metering_stream(settings, tmp_path) -> Iterator[dict[str, str]]:
+    """A private usage stream and spool for this test; returns the env for child processes."""
+    from metering import stream
+
+    settings.METERING_STREAM_KEY = f"tg:usage:test:{uuid.uuid4().hex[:10]}"
+    settings.METERING_SPOOL_DIR = str(tmp_path / "spool")
+    settings.METERING_REDIS_URL = settings.REDIS_URL
+    stream.reset_clients()
+    yield {"TOLLGATE_USAGE_STREAM": settings.METERING_STREAM_KEY,
+           "TOLLGATE_USAGE_REDIS_URL": settings.REDIS_URL,
+           "TOLLGATE_SPOOL_DIR": settings.METERING_SPOOL_DIR}
+    stream.reset_clients()
+
+
+def drain_usage() -> None:
+    """Ingest everything on the usage stream into PostgreSQL (rated, rolled up)."""
+    from metering.ingest import Ingestor
+
+    Ingestor(block_ms=100).run(drain=True)
+
+
+@pytest.fixture
+def live_gateway(transactional_db, tmp_path, metering_stream) -> Iterator[LiveGateway]:
+    """Two simulated engines of ``small`` (us-east, eu-west) behind a live gateway."""
+    from tests.factories import make_price_book
+
+    make_price_book(prices=[{"model": m, "input": "0.50", "output": "1.50"}
+                            for m in GATEWAY_MODELS])
+    sims = {
+        "us": start_sim(served_model_name="small", **FAST_RATES),
+        "eu": start_sim(served_model_name="small", **FAST_RATES),
+    }
+    register_engine(sims["us"], pool="small-us", region="us-east", zone="us")
+    register_engine(sims["eu"], pool="small-eu", region="eu-west", zone="eu")
+    gateway = start_gateway(tmp_path, env=metering_stream)
+    gateway.sims = sims
+    yield gateway
+    stop_gateway(gateway)
+    for sim in sims.values():
+        sim.stop()
