@@ -30,5 +30,11 @@ app.conf.beat_schedule = {
         "task": "fleet.health_check",
         "schedule": float(os.environ.get("TOLLGATE_FLEET_HEALTH_S", "5")),
     },
+    "invoicing-period-close": {
+        "task": "invoicing.period_close",
+        "schedule": float(os.environ.get("TOLLGATE_PERIOD_CLOSE_S", "900")),
+    },
+    "invoicing-dunning": {"task": "invoicing.dunning", "schedule": 3600.0},
+    "invoicing-payments-sync": {"task": "invoicing.payments_sync", "schedule": 900.0},
 }
 app.autodiscover_tasks()

@@ -42,3 +42,9 @@ PUBLIC_URL: str = env.str("TOLLGATE_PUBLIC_URL", default="http://127.0.0.1:8000"
 
 WEB_HOST: str = env.str("TOLLGATE_HOST", default="127.0.0.1")
 WEB_PORT: int = env.int("TOLLGATE_PORT", default=8000)
+
+# Invoicing: Stripe's API base (a localstripe URL in tests and dev) and the dunning schedule
+# (days after each failed charge).
+STRIPE_API_BASE: str = env.str("STRIPE_API_BASE", default="https://api.stripe.com")
+INVOICING_DUNNING_DAYS: list[int] = [
+    int(d) for d in env.list("TOLLGATE_DUNNING_DAYS", default=["1", "3", "7"])]

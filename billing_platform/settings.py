@@ -156,3 +156,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 
 # API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
 API_KEY_CACHE_TTL_S = 300
+
+# Invoicing and payments (billing_platform.invoicing).
+STRIPE_API_KEY = E.STRIPE_API_KEY
+STRIPE_WEBHOOK_SECRET = E.STRIPE_WEBHOOK_SECRET
+STRIPE_API_BASE = E.STRIPE_API_BASE
+STRIPE_MAX_NETWORK_RETRIES = 3       # the stripe library retries network errors with backoff
+STRIPE_WEBHOOK_TOLERANCE_S = 300
+INVOICING_DUNNING_DAYS = E.INVOICING_DUNNING_DAYS
+INVOICING_NET_DAYS = 14             # due date of an invoice left for manual payment
+INVOICING_LATE_LOOKBACK_DAYS = 120  # how far back period close looks for late usage
+INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction

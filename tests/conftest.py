@@ -82,3 +82,52 @@ def celery_worker_process(transactional_db, tmp_path) -> Iterator[Callable[..., 
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# --- invoicing: a real localstripe server (Stripe's API over HTTP, via the stripe library) ---
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def localstripe_url(tmp_path_factory) -> Iterator[str]:
+    """Start ``python -m localstripe`` on a free port for the session; return its base URL."""
+    import socket
+
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("localstripe")
+    log = open(workdir / "localstripe.log", "wb")  # noqa: SIM115 - closed by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localstripe", "--port", str(port), "--from-scratch"],
+        cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(workdir)},
+    )
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_until(listening, timeout=30, what="localstripe to listen")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def stripe_settings(settings, localstripe_url):
+    """Point the platform's Stripe client at localstripe, with a known webhook secret."""
+    settings.STRIPE_API_BASE = localstripe_url
+    settings.STRIPE_API_KEY = "sk_test_tollgate"
+    settings.STRIPE_WEBHOOK_SECRET = "whsec_tollgate_test"
+    settings.STRIPE_MAX_NETWORK_RETRIES = 0
+    return settings

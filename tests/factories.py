@@ -102,3 +102,27 @@ def make_token_plan(**overrides):
     }
     fields.update(overrides)
     return plan_services.plan_create(**fields)
+
+
+# --- invoicing: organizations billed from a given date, provisioned offerings ----------------
+
+def make_billed_org(*, created_at=None, tax_rate="0", **kwargs):
+    """Create an organization (with a project) that exists since ``created_at`` (UTC)."""
+    from decimal import Decimal
+
+    org = OrganizationFactory(created_at=created_at or datetime(2026, 10, 1, tzinfo=UTC),
+                              tax_rate=Decimal(tax_rate), **kwargs)
+    ProjectFactory(organization=org)
+    return org
+
+
+def make_offering(*, model: str, region: str = "us-east", monthly_unit_price: str = "100.00",
+                  **overrides):
+    """Create a provisioned offering of ``model`` in ``region``."""
+    from plans import services as plan_services
+
+    fields = {"code": f"po-{next(_plan_codes)}", "name": f"{model} units", "model": model,
+              "region": region, "tokens_per_minute_per_unit": 100_000,
+              "hourly_unit_price": "1.00", "monthly_unit_price": monthly_unit_price}
+    fields.update(overrides)
+    return plan_services.provisioned_offering_create(**fields)

@@ -1,0 +1,309 @@
+"""Build invoices (as plain drafts, not yet rows) for many organizations at once, in SQL.
+
+One pass over a chunk of organizations costs a fixed number of queries whatever its size:
+usage of the period from the hourly rollups (one ``GROUP BY`` joined to the chunk's periods),
+late usage (rollups of earlier finalized periods minus what was billed for them), plan fees,
+reservation fees and credit-pack purchases. The same builder answers "upcoming invoice" for
+one organization, so the preview and the final invoice can never disagree.
+
+Usage is attributed to a period by its rollup hour (``hour`` in [period_start, period_end)).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Q
+
+from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
+from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
+from plans.models import CreditPackPurchase, Reservation, Subscription
+from plans.selectors import reservation_fee_for_period
+
+MILLION = Decimal(1_000_000)
+PRECISE = Decimal("1E-10")
+
+TIER_LABELS = {"default": "standard", "priority": "priority", "flex": "flex", "batch": "batch"}
+SOURCE_LABELS = {
+    "on_demand": "", "spillover": "spillover from reserved units",
+    "provisioned": "reserved units (no per-token charge)",
+    "plan": "included in token plan", "overage": "token plan overage",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """An organization and the period to invoice."""
+
+    org_id: int
+    currency: str
+    tax_rate: Decimal
+    period_start: datetime
+    period_end: datetime
+
+
+@dataclass(slots=True)
+class DraftLine:
+    kind: str
+    description: str
+    amount_precise: Decimal
+    amount: Decimal
+    quantity: Decimal = ZERO
+    unit: str = ""
+    unit_price: Decimal | None = None
+    model: str = ""
+    region: str = ""
+    service_tier: str = ""
+    capacity_source: str = ""
+    source_period_start: datetime | None = None
+    source_period_end: datetime | None = None
+    details: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class UsageSum:
+    """Exact sums of rollups for one (source period, model, region, tier, capacity source)."""
+
+    source_period_start: datetime
+    model: str
+    region: str
+    service_tier: str
+    capacity_source: str
+    amount: Decimal
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class DraftInvoice:
+    target: Target
+    lines: list[DraftLine] = field(default_factory=list)
+    billed: list[UsageSum] = field(default_factory=list)
+
+    @property
+    def currency(self) -> str:
+        return self.target.currency
+
+    @property
+    def subtotal(self) -> Decimal:
+        return sum((ln.amount for ln in self.lines if ln.kind in CHARGE_KINDS), ZERO)
+
+    @property
+    def tax(self) -> Decimal:
+        return sum((ln.amount for ln in self.lines if ln.kind == LineKind.TAX), ZERO)
+
+    @property
+    def credits_applied(self) -> Decimal:
+        return -sum((ln.amount for ln in self.lines if ln.kind == LineKind.CREDIT), ZERO)
+
+    @property
+    def total(self) -> Decimal:
+        return sum((ln.amount for ln in self.lines), ZERO)
+
+    def add(self, kind: str, description: str, precise: Decimal, **extra) -> DraftLine:
+        """Append a line: the exact amount and that amount rounded once."""
+        line = DraftLine(kind=kind, description=description,
+                         amount_precise=precise.quantize(PRECISE, context=EXACT),
+                         amount=quantize_money(precise, self.currency), **extra)
+        self.lines.append(line)
+        return line
+
+    def add_tax(self) -> None:
+        """Append the tax line: the org's rate on the rounded subtotal, rounded once."""
+        rate = self.target.tax_rate
+        if rate:
+            self.add(LineKind.TAX, f"Tax ({rate * 100:.2f} %)",
+                     EXACT.multiply(self.subtotal, rate), quantity=Decimal(1), unit_price=rate)
+
+    def add_credit(self, applied: Decimal) -> None:
+        if applied > 0:
+            self.add(LineKind.CREDIT, "Credits applied", -applied)
+
+
+def _usage_line(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = None) -> None:
+    tokens = u.prompt_tokens + u.completion_tokens
+    parts = [u.model, TIER_LABELS.get(u.service_tier, u.service_tier), u.region]
+    if SOURCE_LABELS.get(u.capacity_source):
+        parts.append(SOURCE_LABELS[u.capacity_source])
+    description = " · ".join(p for p in parts if p)
+    kind = LineKind.USAGE
+    extra = {}
+    if late_from is not None:
+        kind = LineKind.LATE_USAGE
+        description = f"Late usage from {late_from[0]:%Y-%m-%d} to {late_from[1]:%Y-%m-%d}: " \
+                      f"{description}"
+        extra = {"source_period_start": late_from[0], "source_period_end": late_from[1]}
+    unit_price = (EXACT.divide(u.amount * MILLION, tokens).quantize(PRECISE, context=EXACT)
+                  if tokens else None)
+    draft.add(kind, description[:300], u.amount, quantity=Decimal(tokens), unit="tokens",
+              unit_price=unit_price, model=u.model, region=u.region,
+              service_tier=u.service_tier, capacity_source=u.capacity_source,
+              details={"requests": u.requests, "input_tokens": u.prompt_tokens - u.cached_tokens,
+                       "cached_input_tokens": u.cached_tokens,
+                       "output_tokens": u.completion_tokens}, **extra)
+
+
+_USAGE_SQL = """
+SELECT p.org, r.model, r.region, r.service_tier, r.capacity_source,
+       SUM(r.amount), SUM(r.requests), SUM(r.prompt_tokens), SUM(r.cached_tokens),
+       SUM(r.completion_tokens)
+  FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[]) AS p(org, ps, pe, cur)
+  JOIN usage_rollup_hourly r
+    ON r.organization_id = p.org AND r.hour >= p.ps AND r.hour < p.pe AND r.currency = p.cur
+ GROUP BY 1, 2, 3, 4, 5
+ ORDER BY 1, 2, 4, 3, 5
+"""
+
+_LATE_SQL = """
+WITH p AS (
+    SELECT i.organization_id AS org, i.period_start AS ps, i.period_end AS pe, i.currency AS cur
+      FROM invoicing_invoice i
+     WHERE i.organization_id = ANY(%s) AND i.kind = 'invoice' AND i.status <> 'draft'
+       AND i.period_start >= %s
+)
+SELECT p.org, p.ps, p.pe, r.model, r.region, r.service_tier, r.capacity_source,
+       SUM(r.amount), SUM(r.requests), SUM(r.prompt_tokens), SUM(r.cached_tokens),
+       SUM(r.completion_tokens)
+  FROM p JOIN usage_rollup_hourly r
+    ON r.organization_id = p.org AND r.hour >= p.ps AND r.hour < p.pe AND r.currency = p.cur
+ GROUP BY 1, 2, 3, 4, 5, 6, 7
+"""
+
+_BILLED_SQL = """
+SELECT organization_id, source_period_start, model, region, service_tier, capacity_source,
+       SUM(amount), SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens)
+  FROM invoicing_billedusage
+ WHERE organization_id = ANY(%s) AND source_period_start >= %s
+ GROUP BY 1, 2, 3, 4, 5, 6
+"""
+
+
+def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
+    by_org = {t.org_id: t for t in targets}
+    out: dict[int, list[UsageSum]] = defaultdict(list)
+    with connection.cursor() as cur:
+        cur.execute(_USAGE_SQL, [[t.org_id for t in targets], [t.period_start for t in targets],
+                                 [t.period_end for t in targets], [t.currency for t in targets]])
+        for org, model, region, tier, source, amount, req, prompt, cached, completion in cur:
+            out[org].append(UsageSum(by_org[org].period_start, model, region, tier, source,
+                                     amount, int(req), int(prompt), int(cached),
+                                     int(completion)))
+    return out
+
+
+def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
+    """Return, per org, usage of earlier finalized periods not billed yet (with period end)."""
+    ids = [t.org_id for t in targets]
+    since = min(t.period_start for t in targets) - timedelta(
+        days=settings.INVOICING_LATE_LOOKBACK_DAYS)
+    seen: dict[tuple, tuple[datetime, list]] = {}
+    with connection.cursor() as cur:
+        cur.execute(_LATE_SQL, [ids, since])
+        for org, ps, pe, *dims, amount, req, prompt, cached, completion in cur:
+            seen[(org, ps, *dims)] = (pe, [amount, req, prompt, cached, completion])
+        if not seen:
+            return {}
+        cur.execute(_BILLED_SQL, [ids, since])
+        billed = {tuple(r[:6]): list(r[6:]) for r in cur}
+    starts = {t.org_id: t.period_start for t in targets}
+    out: dict[int, list[tuple[datetime, UsageSum]]] = defaultdict(list)
+    for key, (pe, sums) in sorted(seen.items()):
+        org, ps, model, region, tier, source = key
+        if ps >= starts[org]:
+            continue
+        done = billed.get(key, [ZERO, 0, 0, 0, 0])
+        diff = [a - b for a, b in zip(sums, done, strict=True)]
+        if any(diff):
+            amount, *counts = diff
+            out[org].append((pe, UsageSum(ps, model, region, tier, source, amount,
+                                          *(int(c) for c in counts))))
+    return out
+
+
+def _subscriptions(targets: list[Target]) -> dict[int, list[Subscription]]:
+    lo = min(t.period_start for t in targets)
+    hi = max(t.period_end for t in targets)
+    out: dict[int, list[Subscription]] = defaultdict(list)
+    for sub in (Subscription.objects.select_related("plan")
+                .filter(organization_id__in=[t.org_id for t in targets], starts_at__lt=hi)
+                .filter(Q(ends_at__isnull=True) | Q(ends_at__gt=lo)).order_by("starts_at")):
+        out[sub.organization_id].append(sub)
+    return out
+
+
+def _reservations(targets: list[Target]) -> dict[int, list[Reservation]]:
+    lo = min(t.period_start for t in targets)
+    hi = max(t.period_end for t in targets)
+    out: dict[int, list[Reservation]] = defaultdict(list)
+    for r in (Reservation.objects.filter(organization_id__in=[t.org_id for t in targets],
+                                         starts_at__lt=hi, ends_at__gt=lo)
+              .order_by("starts_at", "id")):
+        out[r.organization_id].append(r)
+    return out
+
+
+def _packs(targets: list[Target]) -> dict[int, list[CreditPackPurchase]]:
+    lo = min(t.period_start for t in targets)
+    hi = max(t.period_end for t in targets)
+    out: dict[int, list[CreditPackPurchase]] = defaultdict(list)
+    for p in (CreditPackPurchase.objects.select_related("subscription", "pack")
+              .filter(subscription__organization_id__in=[t.org_id for t in targets],
+                      purchased_at__gte=lo, purchased_at__lt=hi).order_by("purchased_at", "id")):
+        out[p.subscription.organization_id].append(p)
+    return out
+
+
+def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
+    """Return the invoice of each target's period, before credits, keyed by organization id.
+
+    Lines, in order: usage (model, tier, region, source), late usage, plan fees, reservation
+    fees, credit packs, then tax. Credits are applied when the invoice is finalized.
+    """
+    if not targets:
+        return {}
+    usage, late = _usage(targets), _late(targets)
+    subs, reservations, packs = _subscriptions(targets), _reservations(targets), _packs(targets)
+    drafts: dict[int, DraftInvoice] = {}
+    for t in targets:
+        draft = drafts[t.org_id] = DraftInvoice(t)
+        for u in usage.get(t.org_id, ()):
+            _usage_line(draft, u)
+            draft.billed.append(u)
+        for pe, u in late.get(t.org_id, ()):
+            _usage_line(draft, u, late_from=(u.source_period_start, pe))
+            draft.billed.append(u)
+        for sub in subs.get(t.org_id, ()):
+            plan = sub.plan
+            if plan.monthly_fee > 0 and plan.currency == t.currency and sub.starts_at < \
+                    t.period_end and (sub.ends_at is None or sub.ends_at > t.period_start):
+                draft.add(LineKind.PLAN_FEE, f"{plan.name} — monthly fee", plan.monthly_fee,
+                          quantity=Decimal(1), unit="month", unit_price=plan.monthly_fee,
+                          details={"subscription": sub.public_id, "plan": plan.code})
+        for r in reservations.get(t.org_id, ()):
+            if r.currency != t.currency:
+                continue
+            fee = reservation_fee_for_period(reservation=r, period_start=t.period_start,
+                                             period_end=t.period_end)
+            if fee:
+                terms = fee / (r.units * r.unit_price) if r.unit_price else Decimal(0)
+                draft.add(LineKind.RESERVATION_FEE,
+                          f"Reserved units: {r.units} x {r.model} in {r.region} "
+                          f"({terms.normalize()} {r.term} term(s))", fee,
+                          quantity=Decimal(r.units) * terms, unit=f"unit-{r.term}",
+                          unit_price=r.unit_price, model=r.model, region=r.region,
+                          capacity_source="provisioned", details={"reservation": r.public_id})
+        for p in packs.get(t.org_id, ()):
+            if p.currency == t.currency and p.price > 0:
+                draft.add(LineKind.CREDIT_PACK,
+                          f"Credit pack: {p.pack.name if p.pack else 'credits'} "
+                          f"({p.credits.normalize()} credits)", p.price, quantity=Decimal(1),
+                          unit="pack", unit_price=p.price, details={"purchase": p.public_id})
+        draft.add_tax()
+    return drafts

@@ -1,0 +1,38 @@
+"""Enumerations of the invoicing app."""
+
+from django.db import models
+
+
+class InvoiceKind(models.TextChoices):
+    INVOICE = "invoice", "Invoice"
+    CREDIT_NOTE = "credit_note", "Credit note"
+
+
+class InvoiceStatus(models.TextChoices):
+    DRAFT = "draft", "Draft"
+    OPEN = "open", "Open"
+    PAID = "paid", "Paid"
+    VOID = "void", "Void"
+    UNCOLLECTIBLE = "uncollectible", "Uncollectible"
+
+
+class LineKind(models.TextChoices):
+    USAGE = "usage", "Usage"
+    LATE_USAGE = "late_usage", "Late usage"
+    PLAN_FEE = "plan_fee", "Plan fee"
+    RESERVATION_FEE = "reservation_fee", "Reservation fee"
+    CREDIT_PACK = "credit_pack", "Credit pack"
+    TAX = "tax", "Tax"
+    CREDIT = "credit", "Credit applied"
+    ADJUSTMENT = "adjustment", "Adjustment"
+
+
+class PaymentStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+# Lines that are charges (the subtotal tax is computed on).
+CHARGE_KINDS = frozenset({LineKind.USAGE, LineKind.LATE_USAGE, LineKind.PLAN_FEE,
+                          LineKind.RESERVATION_FEE, LineKind.CREDIT_PACK, LineKind.ADJUSTMENT})

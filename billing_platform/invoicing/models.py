@@ -1,0 +1,225 @@
+"""Invoices, their lines, what each invoice billed, payments and Stripe's webhook events.
+
+Money: ``amount_precise`` keeps the exact sum (10 places, as usage events do); ``amount`` is
+that rounded once to the currency's minor unit (``money.quantize_money``). An invoice's
+``total`` is the sum of its lines' ``amount`` (tax and credits are lines too), and
+``amount_due`` is what is left to pay.
+
+A finalized invoice never changes: database triggers (migration 0002) refuse any change to a
+line of a non-draft invoice and to the money, period and number of a non-draft invoice; only
+its status and payment bookkeeping move. Corrections are credit notes (``kind=credit_note``)
+or a void.
+
+``BilledUsage`` records, per invoice, the exact usage sums it billed for each source period and
+dimension. Late events are whatever the rollups hold for a closed period beyond what was
+billed for it; the next invoice bills the difference as "late usage from <period>".
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from billing_platform.accounts.models import Organization, public_id
+from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
+
+ZERO = Decimal("0")
+
+
+def _precise(**kwargs) -> models.DecimalField:
+    return models.DecimalField(max_digits=30, decimal_places=10, **kwargs)
+
+
+def _money(**kwargs) -> models.DecimalField:
+    # 4 places hold every ISO minor unit (0, 2 or 3); values are always quantize_money'd.
+    return models.DecimalField(max_digits=24, decimal_places=4, **kwargs)
+
+
+class InvoiceSequence(models.Model):
+    """The next number of a gapless series (taken under a row lock in the finalizing txn)."""
+
+    series = models.CharField(max_length=32, primary_key=True)
+    next_number = models.PositiveBigIntegerField(default=1)
+
+    def __str__(self) -> str:
+        return f"{self.series} next {self.next_number}"
+
+
+class BillingAccount(models.Model):
+    """An organization's payment side: its Stripe customer and whether dunning suspended it."""
+
+    organization = models.OneToOneField(Organization, on_delete=models.CASCADE,
+                                        related_name="billing_account")
+    stripe_customer_id = models.CharField(max_length=100, blank=True, default="")
+    suspended_for_nonpayment = models.BooleanField(default=False)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.organization} ({self.stripe_customer_id or 'no customer'})"
+
+
+class Invoice(models.Model):
+    """An invoice (or credit note) of one organization for [period_start, period_end)."""
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.PROTECT,
+                                     related_name="invoices")
+    kind = models.CharField(max_length=16, choices=InvoiceKind.choices,
+                            default=InvoiceKind.INVOICE)
+    number = models.CharField(max_length=40, null=True, blank=True, unique=True)
+    status = models.CharField(max_length=16, choices=InvoiceStatus.choices,
+                              default=InvoiceStatus.DRAFT)
+    currency = models.CharField(max_length=3)
+    period_start = models.DateTimeField()
+    period_end = models.DateTimeField()
+    tax_rate = models.DecimalField(max_digits=7, decimal_places=4, default=ZERO)
+    subtotal = _money(default=ZERO)
+    tax = _money(default=ZERO)
+    credits_applied = _money(default=ZERO)
+    total = _money(default=ZERO)
+    amount_due = _money(default=ZERO)
+    amount_paid = _money(default=ZERO)
+    corrects = models.ForeignKey("self", null=True, blank=True, on_delete=models.PROTECT,
+                                 related_name="credit_notes",
+                                 help_text="For a credit note: the invoice it corrects.")
+    memo = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    finalized_at = models.DateTimeField(null=True, blank=True)
+    due_at = models.DateTimeField(null=True, blank=True)
+    paid_at = models.DateTimeField(null=True, blank=True)
+    voided_at = models.DateTimeField(null=True, blank=True)
+    marked_uncollectible_at = models.DateTimeField(null=True, blank=True)
+    payment_failures = models.PositiveIntegerField(default=0)
+    next_payment_attempt_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-period_start", "-id"]
+        indexes = [
+            models.Index(fields=["organization", "period_start"]),
+            models.Index(fields=["status", "next_payment_attempt_at"]),
+        ]
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "period_start"],
+                                    condition=Q(kind=InvoiceKind.INVOICE),
+                                    name="one_invoice_per_org_period"),
+            models.CheckConstraint(condition=Q(period_end__gt=models.F("period_start")),
+                                   name="invoice_period_ordered"),
+            models.CheckConstraint(condition=Q(status=InvoiceStatus.DRAFT)
+                                   | Q(number__isnull=False),
+                                   name="finalized_invoice_has_number"),
+        ]
+
+    def __str__(self) -> str:
+        return self.number or f"draft {self.public_id}"
+
+    def save(self, *args, **kwargs) -> None:
+        if not self.public_id:
+            self.public_id = public_id("in" if self.kind == InvoiceKind.INVOICE else "cn")
+        super().save(*args, **kwargs)
+
+    @property
+    def is_final(self) -> bool:
+        return self.status != InvoiceStatus.DRAFT
+
+
+class InvoiceLine(models.Model):
+    """One line: quantity x unit price (informative), exact amount, amount rounded once.
+
+    Usage lines are per model x region x service tier x capacity source; ``details`` holds the
+    token counts per class (uncached input, cached input, output) and request count.
+    """
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    position = models.PositiveIntegerField()
+    kind = models.CharField(max_length=20, choices=LineKind.choices)
+    description = models.CharField(max_length=300)
+    model = models.CharField(max_length=200, blank=True, default="")
+    region = models.CharField(max_length=64, blank=True, default="")
+    service_tier = models.CharField(max_length=16, blank=True, default="")
+    capacity_source = models.CharField(max_length=16, blank=True, default="")
+    source_period_start = models.DateTimeField(null=True, blank=True)
+    source_period_end = models.DateTimeField(null=True, blank=True)
+    quantity = models.DecimalField(max_digits=30, decimal_places=6, default=ZERO)
+    unit = models.CharField(max_length=32, blank=True, default="")
+    unit_price = _precise(null=True, blank=True)
+    amount_precise = _precise()
+    amount = _money()
+    details = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["invoice", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["invoice", "position"], name="one_line_per_position"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.description}: {self.amount}"
+
+
+class BilledUsage(models.Model):
+    """What one invoice billed of one source period's usage, per dimension (exact sums)."""
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="billed_usage")
+    organization_id = models.BigIntegerField()
+    source_period_start = models.DateTimeField()
+    model = models.CharField(max_length=200)
+    region = models.CharField(max_length=64)
+    service_tier = models.CharField(max_length=16)
+    capacity_source = models.CharField(max_length=16)
+    amount = _precise()
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        indexes = [models.Index(fields=["organization_id", "source_period_start"])]
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.source_period_start:%Y-%m}: {self.amount}"
+
+
+class PaymentAttempt(models.Model):
+    """One charge of an invoice through Stripe; its idempotency key is built from our ids."""
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="payments")
+    number = models.PositiveIntegerField()
+    idempotency_key = models.CharField(max_length=100, unique=True)
+    amount = _money()
+    currency = models.CharField(max_length=3)
+    status = models.CharField(max_length=16, choices=PaymentStatus.choices,
+                              default=PaymentStatus.PENDING)
+    stripe_payment_intent_id = models.CharField(max_length=100, blank=True, default="",
+                                                db_index=True)
+    failure_code = models.CharField(max_length=100, blank=True, default="")
+    failure_message = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["invoice", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["invoice", "number"], name="one_attempt_number"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.idempotency_key} {self.status}"
+
+
+class StripeEvent(models.Model):
+    """A webhook delivery as received (raw body first), then verified and processed once."""
+
+    stripe_id = models.CharField(max_length=100, null=True, blank=True, unique=True)
+    type = models.CharField(max_length=100, blank=True, default="")
+    payload = models.TextField()
+    signature = models.CharField(max_length=500, blank=True, default="")
+    verified = models.BooleanField(default=False)
+    received_at = models.DateTimeField(default=timezone.now)
+    processed_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=200, blank=True, default="")
+
+    def __str__(self) -> str:
+        return f"{self.stripe_id or 'unverified'} {self.type}"

@@ -1,0 +1,39 @@
+"""Reads of invoicing: an organization's invoices, one invoice with its lines, CSV rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db.models import QuerySet
+
+from billing_platform.accounts.models import Organization
+from billing_platform.invoicing.builder import DraftInvoice
+from billing_platform.invoicing.models import Invoice
+
+CSV_HEADER = ("invoice", "position", "kind", "description", "model", "region", "service_tier",
+              "capacity_source", "quantity", "unit", "unit_price", "amount_precise", "amount",
+              "currency")
+
+
+def invoices_of(*, organization: Organization) -> QuerySet[Invoice]:
+    """Return an organization's finalized invoices and credit notes, newest first."""
+    return (Invoice.objects.filter(organization=organization).exclude(status="draft")
+            .order_by("-period_start", "-id"))
+
+
+def invoice_get(*, organization: Organization, public_id: str) -> Invoice | None:
+    """Return one invoice of the organization with its lines (None when it is not theirs)."""
+    return (Invoice.objects.filter(organization=organization, public_id=public_id)
+            .prefetch_related("lines").first())
+
+
+def invoice_csv_rows(invoice: Invoice | DraftInvoice) -> Iterator[tuple]:
+    """Yield the CSV header and one row per line; the amounts sum to the invoice total."""
+    yield CSV_HEADER
+    number = getattr(invoice, "number", None) or "upcoming"
+    lines = invoice.lines.all() if isinstance(invoice, Invoice) else invoice.lines
+    for pos, ln in enumerate(lines, start=1):
+        yield (number, getattr(ln, "position", pos), ln.kind, ln.description, ln.model,
+               ln.region, ln.service_tier, ln.capacity_source, ln.quantity, ln.unit,
+               "" if ln.unit_price is None else ln.unit_price, ln.amount_precise, ln.amount,
+               invoice.currency)

@@ -1,0 +1,581 @@
+"""Writes of invoicing: period close, finalize, void, credit notes, charges, webhooks, dunning.
+
+Period close (``period_close_run``) works on chunks of organizations, each chunk in one
+transaction: lock the chunk's organizations (``FOR NO KEY UPDATE SKIP LOCKED``, so a second
+closer running at the same time skips what the first holds), re-check under the lock that the
+period is still unbilled, build every invoice with a fixed number of SQL queries
+(``builder.build_drafts``), apply credit grants, take gapless numbers from a locked sequence
+row, insert invoices, lines and the billed-usage ledger in bulk, and mark them open. Charges
+are enqueued after commit. One invoice per org per period is also a database constraint, so
+even a closer that ignored the locks could not bill a period twice.
+
+Payments: the platform is the system of record. A charge creates one ``PaymentAttempt`` per
+try, keyed ``invoice:<id>:charge:<n>`` (the Stripe idempotency key), under the invoice's row
+lock; a task that runs twice finds the attempt and does not charge again. The invoice becomes
+``paid`` when Stripe says so (a verified webhook, or ``payments_sync`` reading the
+PaymentIntent). A declined charge starts dunning: retries after ``INVOICING_DUNNING_DAYS``, an
+email each time, then ``uncollectible`` and the organization suspended until it pays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import stripe
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from billing_platform.accounts.choices import OrgStatus
+from billing_platform.accounts.models import Organization
+from billing_platform.accounts.services import organization_update
+from billing_platform.errors import Conflict, InvalidRequest
+from billing_platform.invoicing import stripe_client
+from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
+from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
+from billing_platform.invoicing.models import (
+    BilledUsage,
+    BillingAccount,
+    Invoice,
+    InvoiceLine,
+    PaymentAttempt,
+    StripeEvent,
+)
+from billing_platform.invoicing.money import ZERO, minor_units, quantize_money, to_minor_units
+from plans.choices import CreditGrantKind
+from plans.models import CreditGrant, Subscription
+from plans.periods import period_bounds
+from plans.services import credit_grant_create, credit_grants_apply
+
+log = logging.getLogger(__name__)
+
+CALENDAR_ANCHOR = datetime(2000, 1, 1, tzinfo=UTC)  # calendar months, for orgs on no plan
+
+
+# --- periods ---------------------------------------------------------------------------------
+
+def _anchor(subs: Iterable[Subscription], at: datetime) -> datetime:
+    for sub in subs:
+        if sub.covers(at):
+            return sub.billing_anchor
+    return CALENDAR_ANCHOR
+
+
+def _next_period(subs: list[Subscription], start: datetime) -> tuple[datetime, datetime]:
+    """Return [start, end): from ``start`` to the next boundary of the anchor in force."""
+    _, end = period_bounds(_anchor(subs, start), start)
+    return start, end
+
+
+def _targets(orgs: Iterable[tuple], *, now: datetime, due_only: bool) -> list[Target]:
+    orgs = list(orgs)
+    ids = [o[0] for o in orgs]
+    last_end = dict(Invoice.objects.filter(organization_id__in=ids, kind=InvoiceKind.INVOICE)
+                    .values("organization_id").annotate(end=Max("period_end"))
+                    .values_list("organization_id", "end"))
+    subs: dict[int, list[Subscription]] = {}
+    for sub in Subscription.objects.filter(organization_id__in=ids).order_by("starts_at"):
+        subs.setdefault(sub.organization_id, []).append(sub)
+    out = []
+    for org_id, currency, tax_rate, created_at in orgs:
+        org_subs = subs.get(org_id, [])
+        start = last_end.get(org_id)
+        if start is None:
+            start = period_bounds(_anchor(org_subs, created_at), created_at)[0]
+        start, end = _next_period(org_subs, start)
+        if due_only and end > now:
+            continue
+        out.append(Target(org_id, currency, tax_rate, start, end))
+    return out
+
+
+def periods_due(*, now: datetime | None = None, org_ids: Iterable[int] | None = None
+                ) -> list[Target]:
+    """Return, per organization, its oldest period that has ended and has no invoice yet."""
+    orgs = Organization.objects.exclude(status=OrgStatus.CLOSED)
+    if org_ids is not None:
+        orgs = orgs.filter(id__in=list(org_ids))
+    return _targets(orgs.order_by("id").values_list("id", "currency", "tax_rate", "created_at"),
+                    now=now or timezone.now(), due_only=True)
+
+
+# --- period close ------------------------------------------------------------------------------
+
+@dataclass
+class CloseReport:
+    """What a period-close run did."""
+
+    invoices: int = 0
+    passes: int = 0
+    skipped_locked: int = 0
+
+
+def _take_numbers(series: str, count: int) -> int:
+    """Reserve ``count`` consecutive numbers of ``series``; return the first (gapless: the row
+    stays locked until the caller's transaction ends, and a rollback returns them)."""
+    with connection.cursor() as cur:
+        cur.execute("INSERT INTO invoicing_invoicesequence (series, next_number) VALUES (%s, 1) "
+                    "ON CONFLICT (series) DO NOTHING", [series])
+        cur.execute("UPDATE invoicing_invoicesequence SET next_number = next_number + %s "
+                    "WHERE series = %s RETURNING next_number", [count, series])
+        return cur.fetchone()[0] - count
+
+
+def _series(kind: str, at: datetime) -> str:
+    return f"{'INV' if kind == InvoiceKind.INVOICE else 'CN'}-{at:%Y}"
+
+
+def _credit_reference(target: Target) -> str:
+    return f"invoice:{target.org_id}:{target.period_start:%Y%m%dT%H%M%S}"
+
+
+def _apply_credits(drafts: dict[int, DraftInvoice], *, now: datetime) -> None:
+    with_credit = set(CreditGrant.objects.filter(
+        organization_id__in=list(drafts), remaining__gt=0, granted_at__lte=now)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .values_list("organization_id", flat=True))
+    for org_id in sorted(with_credit):
+        draft = drafts[org_id]
+        if draft.total <= 0:
+            continue
+        applications = credit_grants_apply(
+            organization=Organization(pk=org_id), currency=draft.currency, amount=draft.total,
+            reference=_credit_reference(draft.target), at=now)
+        draft.add_credit(sum((a.amount for a in applications), ZERO))
+
+
+def _persist(drafts: list[DraftInvoice], *, now: datetime) -> list[Invoice]:
+    """Insert finalized invoices, their lines and billed-usage rows; return the invoices."""
+    if not drafts:
+        return []
+    series = _series(InvoiceKind.INVOICE, now)
+    first = _take_numbers(series, len(drafts))
+    net = timedelta(days=settings.INVOICING_NET_DAYS)
+    invoices = Invoice.objects.bulk_create([
+        Invoice(public_id=_public_id("in"), organization_id=d.target.org_id,
+                kind=InvoiceKind.INVOICE, number=f"{series}-{first + i:06d}",
+                status=InvoiceStatus.DRAFT, currency=d.currency,
+                period_start=d.target.period_start, period_end=d.target.period_end,
+                tax_rate=d.target.tax_rate, subtotal=d.subtotal, tax=d.tax,
+                credits_applied=d.credits_applied, total=d.total, amount_due=d.total,
+                created_at=now)
+        for i, d in enumerate(drafts)], batch_size=2000)
+    lines, billed = [], []
+    for invoice, d in zip(invoices, drafts, strict=True):
+        for pos, ln in enumerate(d.lines, start=1):
+            lines.append(InvoiceLine(
+                invoice_id=invoice.id, position=pos, kind=ln.kind, description=ln.description,
+                model=ln.model, region=ln.region, service_tier=ln.service_tier,
+                capacity_source=ln.capacity_source, source_period_start=ln.source_period_start,
+                source_period_end=ln.source_period_end, quantity=ln.quantity, unit=ln.unit,
+                unit_price=ln.unit_price, amount_precise=ln.amount_precise, amount=ln.amount,
+                details=ln.details))
+        for u in d.billed:
+            billed.append(BilledUsage(
+                invoice_id=invoice.id, organization_id=d.target.org_id,
+                source_period_start=u.source_period_start, model=u.model, region=u.region,
+                service_tier=u.service_tier, capacity_source=u.capacity_source,
+                amount=u.amount, requests=u.requests, prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens))
+    InvoiceLine.objects.bulk_create(lines, batch_size=5000)
+    BilledUsage.objects.bulk_create(billed, batch_size=5000)
+    ids = [i.id for i in invoices]
+    Invoice.objects.filter(id__in=ids, amount_due__gt=0).update(
+        status=InvoiceStatus.OPEN, finalized_at=now, due_at=now + net)
+    # Nothing to pay (no usage, or credits covered it): settled at once, as Stripe does.
+    Invoice.objects.filter(id__in=ids, amount_due__lte=0).update(
+        status=InvoiceStatus.PAID, finalized_at=now, due_at=now, paid_at=now)
+    return invoices
+
+
+def _public_id(prefix: str) -> str:
+    from billing_platform.accounts.models import public_id
+
+    return public_id(prefix)
+
+
+def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool
+                 ) -> tuple[int, int]:
+    """Close one chunk in one transaction; return (invoices created, orgs skipped as locked)."""
+    by_org = {t.org_id: t for t in targets}
+    with transaction.atomic():
+        locked = list(Organization.objects.select_for_update(no_key=True, skip_locked=True)
+                      .filter(id__in=list(by_org)).order_by("id").values_list("id", flat=True))
+        # Re-check under the lock: another closer may have billed the period meanwhile.
+        billed_until = dict(
+            Invoice.objects.filter(organization_id__in=locked, kind=InvoiceKind.INVOICE)
+            .values("organization_id").annotate(end=Max("period_end"))
+            .values_list("organization_id", "end"))
+        todo = [by_org[o] for o in locked
+                if billed_until.get(o) is None or billed_until[o] <= by_org[o].period_start]
+        drafts = build_drafts(todo)
+        _apply_credits(drafts, now=now)
+        invoices = _persist([drafts[t.org_id] for t in todo], now=now)
+        if enqueue_payments:
+            due = [i.id for i in invoices if i.amount_due > 0]
+            transaction.on_commit(lambda: _enqueue_charges(due))
+    return len(invoices), len(targets) - len(locked)
+
+
+def _enqueue_charges(invoice_ids: list[int]) -> None:
+    from billing_platform.invoicing.tasks import invoice_charge_task
+
+    for invoice_id in invoice_ids:
+        invoice_charge_task.delay(invoice_id)
+
+
+def period_close_run(*, now: datetime | None = None, org_ids: Iterable[int] | None = None,
+                     enqueue_payments: bool = True, chunk: int | None = None) -> CloseReport:
+    """Invoice every organization whose period ended; safe to run twice or concurrently.
+
+    Each pass closes the oldest unbilled period of every organization, so an organization
+    several periods behind gets one invoice per period, in order.
+    """
+    now = now or timezone.now()
+    chunk = chunk or settings.INVOICING_CLOSE_CHUNK
+    report = CloseReport()
+    ids = list(org_ids) if org_ids is not None else None
+    while True:
+        targets = periods_due(now=now, org_ids=ids)
+        if not targets:
+            break
+        report.passes += 1
+        created = 0
+        for i in range(0, len(targets), chunk):
+            n, skipped = _close_chunk(targets[i:i + chunk], now=now,
+                                      enqueue_payments=enqueue_payments)
+            created += n
+            report.skipped_locked += skipped
+        report.invoices += created
+        if created == 0:  # everything left is held by a concurrent closer
+            break
+    return report
+
+
+def upcoming_invoice(*, organization: Organization, now: datetime | None = None
+                     ) -> DraftInvoice:
+    """Return the current period's invoice as it stands now (not stored; credits previewed)."""
+    now = now or timezone.now()
+    (target,) = _targets([(organization.id, organization.currency, organization.tax_rate,
+                           organization.created_at)], now=now, due_only=False)
+    draft = build_drafts([target])[organization.id]
+    left = sum((g.remaining for g in CreditGrant.objects.filter(
+        organization=organization, currency=draft.currency, remaining__gt=0,
+        granted_at__lte=now).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))), ZERO)
+    if draft.total > 0 and left > 0:
+        draft.add_credit(min(left, draft.total))
+    return draft
+
+
+# --- corrections -------------------------------------------------------------------------------
+
+def _reactivate_if_settled(organization: Organization) -> None:
+    account = BillingAccount.objects.filter(organization=organization).first()
+    if account is None or not account.suspended_for_nonpayment:
+        return
+    if Invoice.objects.filter(organization=organization,
+                              status=InvoiceStatus.UNCOLLECTIBLE).exists():
+        return
+    account.suspended_for_nonpayment = False
+    account.save(update_fields=["suspended_for_nonpayment"])
+    if organization.status == OrgStatus.SUSPENDED:
+        organization_update(organization=organization, status=OrgStatus.ACTIVE)
+
+
+@transaction.atomic
+def invoice_void(*, invoice: Invoice, reason: str = "") -> Invoice:
+    """Void an unpaid finalized invoice; credits it used are granted back as a credit note."""
+    invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
+    if invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE):
+        raise Conflict(f"A {invoice.status} invoice cannot be voided.", param="status")
+    invoice.status = InvoiceStatus.VOID
+    invoice.voided_at = timezone.now()
+    invoice.next_payment_attempt_at = None
+    invoice.memo = reason[:500]
+    invoice.save(update_fields=["status", "voided_at", "next_payment_attempt_at", "memo"])
+    if invoice.credits_applied > 0:
+        credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
+                            amount=invoice.credits_applied, currency=invoice.currency,
+                            note=f"Credits returned from void invoice {invoice.number}")
+    _reactivate_if_settled(invoice.organization)
+    return invoice
+
+
+@transaction.atomic
+def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str) -> Invoice:
+    """Issue a credit note against a finalized invoice; its amount becomes a credit grant."""
+    invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
+    if invoice.kind != InvoiceKind.INVOICE or invoice.status in (InvoiceStatus.DRAFT,
+                                                                 InvoiceStatus.VOID):
+        raise Conflict("Credit notes correct finalized, non-void invoices.", param="invoice")
+    if not isinstance(amount, Decimal) or amount <= 0 or quantize_money(
+            amount, invoice.currency) != amount:
+        raise InvalidRequest("amount must be a positive Decimal in minor units.", param="amount")
+    credited = sum((cn.total for cn in invoice.credit_notes.all()), ZERO)
+    if amount > invoice.total + credited:  # credited is negative
+        raise InvalidRequest("A credit note cannot exceed what the invoice charged.",
+                             param="amount")
+    now = timezone.now()
+    series = _series(InvoiceKind.CREDIT_NOTE, now)
+    note = Invoice.objects.create(
+        organization=invoice.organization, kind=InvoiceKind.CREDIT_NOTE,
+        number=f"{series}-{_take_numbers(series, 1):06d}", status=InvoiceStatus.DRAFT,
+        currency=invoice.currency, period_start=invoice.period_start,
+        period_end=invoice.period_end, subtotal=-amount, total=-amount, amount_due=ZERO,
+        corrects=invoice, memo=reason[:500])
+    InvoiceLine.objects.create(invoice=note, position=1, kind=LineKind.ADJUSTMENT,
+                               description=f"Credit for {invoice.number}: {reason}"[:300],
+                               quantity=Decimal(1), amount_precise=-amount, amount=-amount)
+    note.status, note.finalized_at, note.paid_at = InvoiceStatus.PAID, now, now
+    note.save(update_fields=["status", "finalized_at", "paid_at"])
+    credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
+                        amount=amount, currency=invoice.currency,
+                        note=f"Credit note {note.number} for {invoice.number}")
+    return note
+
+
+# --- payments ----------------------------------------------------------------------------------
+
+def billing_account_ensure_customer(*, organization: Organization) -> BillingAccount:
+    """Return the org's billing account with a Stripe customer, creating it exactly once."""
+    BillingAccount.objects.bulk_create([BillingAccount(organization=organization)],
+                                       ignore_conflicts=True)
+    with transaction.atomic():
+        account = BillingAccount.objects.select_for_update().get(organization=organization)
+        if not account.stripe_customer_id:
+            account.stripe_customer_id = stripe_client.customer_create(
+                email=organization.billing_email, name=organization.name,
+                org_public_id=organization.public_id)
+            account.save(update_fields=["stripe_customer_id"])
+    return account
+
+
+def _notify(invoice: Invoice, subject: str, body: str) -> None:
+    email = invoice.organization.billing_email
+    transaction.on_commit(lambda: send_mail(subject=subject, message=body, from_email=None,
+                                            recipient_list=[email]))
+
+
+def _money_text(invoice: Invoice, value: Decimal) -> str:
+    return f"{value:.{minor_units(invoice.currency)}f} {invoice.currency}"
+
+
+def _payment_failed(invoice: Invoice, attempt: PaymentAttempt, *, now: datetime) -> None:
+    """Book one failed attempt (invoice locked): schedule a retry, or give up and suspend."""
+    schedule = settings.INVOICING_DUNNING_DAYS
+    invoice.payment_failures += 1
+    amount = _money_text(invoice, invoice.amount_due)
+    if invoice.payment_failures <= len(schedule):
+        invoice.next_payment_attempt_at = now + timedelta(
+            days=schedule[invoice.payment_failures - 1])
+        invoice.save(update_fields=["payment_failures", "next_payment_attempt_at"])
+        _notify(invoice, f"Payment failed for invoice {invoice.number}",
+                f"We could not charge {amount} for invoice {invoice.number} "
+                f"({attempt.failure_message or attempt.failure_code}). We will try again on "
+                f"{invoice.next_payment_attempt_at:%Y-%m-%d}. Please check your payment method.")
+        return
+    invoice.status = InvoiceStatus.UNCOLLECTIBLE
+    invoice.marked_uncollectible_at = now
+    invoice.next_payment_attempt_at = None
+    invoice.save(update_fields=["payment_failures", "status", "marked_uncollectible_at",
+                                "next_payment_attempt_at"])
+    organization = invoice.organization
+    BillingAccount.objects.filter(organization=organization).update(
+        suspended_for_nonpayment=True)
+    if organization.status == OrgStatus.ACTIVE:
+        organization_update(organization=organization, status=OrgStatus.SUSPENDED)
+    _notify(invoice, f"Service suspended: invoice {invoice.number} is unpaid",
+            f"After {invoice.payment_failures} failed attempts invoice {invoice.number} "
+            f"({amount}) is marked uncollectible and API access is suspended until it is paid.")
+
+
+def _payment_succeeded(invoice: Invoice, *, amount: Decimal, now: datetime) -> bool:
+    """Mark a (locked) invoice paid; return whether it changed."""
+    if invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE):
+        return False
+    invoice.status = InvoiceStatus.PAID
+    invoice.amount_paid = amount
+    invoice.paid_at = now
+    invoice.next_payment_attempt_at = None
+    invoice.save(update_fields=["status", "amount_paid", "paid_at", "next_payment_attempt_at"])
+    _reactivate_if_settled(invoice.organization)
+    return True
+
+
+def invoice_charge(*, invoice_id: int, now: datetime | None = None) -> str:
+    """Charge an open invoice's amount due once; return what happened.
+
+    Outcomes: ``not_due`` (paid, void, nothing due, or a retry not due yet),
+    ``no_payment_method`` (left open for manual payment), ``in_progress`` (an attempt is
+    pending or succeeded already: never a second charge), ``pending``, ``succeeded``,
+    ``failed``. Stripe network errors propagate (the task retries with backoff and the same
+    idempotency key).
+    """
+    now = now or timezone.now()
+    invoice = Invoice.objects.select_related("organization").get(pk=invoice_id)
+    if invoice.status != InvoiceStatus.OPEN or invoice.amount_due <= 0:
+        return "not_due"
+    account = billing_account_ensure_customer(organization=invoice.organization)
+    payment_method = stripe_client.default_payment_method(account.stripe_customer_id)
+    if not payment_method:
+        return "no_payment_method"
+    with transaction.atomic():
+        invoice = (Invoice.objects.select_for_update().select_related("organization")
+                   .get(pk=invoice_id))
+        if invoice.status != InvoiceStatus.OPEN:
+            return "not_due"
+        last = invoice.payments.order_by("-number").first()
+        if last is not None and last.status != PaymentStatus.FAILED:
+            return "in_progress"
+        if last is not None and (invoice.next_payment_attempt_at is None
+                                 or invoice.next_payment_attempt_at > now):
+            return "not_due"
+        number = last.number + 1 if last else 1
+        attempt = PaymentAttempt.objects.create(
+            invoice=invoice, number=number, idempotency_key=f"invoice:{invoice.id}:charge:{number}",
+            amount=invoice.amount_due, currency=invoice.currency, created_at=now, updated_at=now)
+        try:
+            intent = stripe_client.payment_intent_create(
+                amount=to_minor_units(invoice.amount_due, invoice.currency),
+                currency=invoice.currency, customer_id=account.stripe_customer_id,
+                payment_method=payment_method, idempotency_key=attempt.idempotency_key,
+                metadata={"invoice_id": str(invoice.id), "invoice": invoice.number or "",
+                          "attempt": str(number)})
+        except stripe.CardError as exc:
+            error = exc.error
+            attempt.status = PaymentStatus.FAILED
+            attempt.failure_code = (getattr(error, "code", None) or "card_declined")[:100]
+            attempt.failure_message = (getattr(error, "message", None) or str(exc))[:500]
+            charge = getattr(error, "payment_intent", None)
+            if charge is not None:
+                attempt.stripe_payment_intent_id = charge.get("id", "")
+            attempt.save()
+            invoice.next_payment_attempt_at = None
+            _payment_failed(invoice, attempt, now=now)
+            return "failed"
+        attempt.stripe_payment_intent_id = intent.id
+        attempt.status = (PaymentStatus.SUCCEEDED if intent.status == "succeeded"
+                          else PaymentStatus.PENDING)
+        attempt.updated_at = now
+        attempt.save(update_fields=["stripe_payment_intent_id", "status", "updated_at"])
+        return str(attempt.status)
+
+
+def invoices_dunning_run(*, now: datetime | None = None) -> list[int]:
+    """Return the open invoices whose retry is due (the task enqueues a charge for each)."""
+    now = now or timezone.now()
+    return list(Invoice.objects.filter(status=InvoiceStatus.OPEN,
+                                       next_payment_attempt_at__lte=now)
+                .order_by("next_payment_attempt_at").values_list("id", flat=True))
+
+
+def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
+    """Apply a PaymentIntent's state (from a webhook or a sync) to our invoice; idempotent."""
+    pi_id = intent.get("id", "")
+    attempt = (PaymentAttempt.objects.select_for_update().filter(stripe_payment_intent_id=pi_id)
+               .first() if pi_id else None)
+    invoice_id = attempt.invoice_id if attempt else (intent.get("metadata") or {}).get(
+        "invoice_id")
+    if not invoice_id:
+        return "ignored: not one of our invoices"
+    invoice = (Invoice.objects.select_for_update().select_related("organization")
+               .filter(pk=invoice_id).first())
+    if invoice is None:
+        return "ignored: unknown invoice"
+    status = intent.get("status")
+    if status == "succeeded":
+        received = Decimal(int(intent.get("amount_received") or intent.get("amount") or 0))
+        amount = received.scaleb(-minor_units(invoice.currency))
+        if attempt is not None and attempt.status != PaymentStatus.SUCCEEDED:
+            attempt.status, attempt.updated_at = PaymentStatus.SUCCEEDED, now
+            attempt.save(update_fields=["status", "updated_at"])
+        return "paid" if _payment_succeeded(invoice, amount=amount, now=now) else "no change"
+    if status in ("requires_payment_method", "canceled"):
+        if attempt is None or attempt.status == PaymentStatus.FAILED:
+            return "no change"
+        error = intent.get("last_payment_error") or {}
+        attempt.status = PaymentStatus.FAILED
+        attempt.failure_code = (error.get("code") or status)[:100]
+        attempt.failure_message = (error.get("message") or "")[:500]
+        attempt.updated_at = now
+        attempt.save()
+        if invoice.status == InvoiceStatus.OPEN:
+            _payment_failed(invoice, attempt, now=now)
+        return "failed"
+    return "no change"
+
+
+HANDLED_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.payment_failed",
+                            "payment_intent.canceled"})
+
+
+def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
+    """Store a webhook's raw body, verify its signature, then apply it exactly once.
+
+    Raise ``InvalidRequest`` for a bad signature (nothing but the raw record changes).
+    """
+    raw = StripeEvent.objects.create(payload=payload.decode("utf-8", errors="replace"),
+                                     signature=signature[:500])
+    try:
+        event = stripe_client.webhook_event(payload, signature)
+    except (stripe.SignatureVerificationError, ValueError) as exc:
+        raw.outcome = f"rejected: {type(exc).__name__}"[:200]
+        raw.save(update_fields=["outcome"])
+        raise InvalidRequest("Invalid Stripe signature.", param="Stripe-Signature") from exc
+    now = timezone.now()
+    with transaction.atomic():
+        raw = StripeEvent.objects.select_for_update().get(pk=raw.pk)
+        raw.verified, raw.type = True, event.type[:100]
+        try:
+            with transaction.atomic():
+                raw.stripe_id = event.id
+                raw.save(update_fields=["verified", "type", "stripe_id"])
+        except IntegrityError:
+            raw.stripe_id = None
+            raw.outcome, raw.processed_at = "duplicate: already processed", now
+            raw.save(update_fields=["verified", "type", "outcome", "processed_at"])
+            return raw
+        if event.type in HANDLED_EVENTS:
+            raw.outcome = _apply_payment_intent(event.data.object.to_dict(), now=now)
+        else:
+            raw.outcome = "ignored: event type not handled"
+        raw.processed_at = now
+        raw.save(update_fields=["outcome", "processed_at"])
+    return raw
+
+
+def payments_sync(*, older_than: timedelta = timedelta(minutes=30),
+                  now: datetime | None = None) -> int:
+    """Read Stripe for attempts still unsettled here (a webhook lost); return how many moved."""
+    now = now or timezone.now()
+    moved = 0
+    for attempt_id, pi_id in (PaymentAttempt.objects
+                              .filter(invoice__status=InvoiceStatus.OPEN,
+                                      status__in=[PaymentStatus.PENDING, PaymentStatus.SUCCEEDED],
+                                      updated_at__lte=now - older_than)
+                              .exclude(stripe_payment_intent_id="")
+                              .values_list("id", "stripe_payment_intent_id")):
+        intent = stripe_client.payment_intent_retrieve(pi_id).to_dict()
+        with transaction.atomic():
+            if _apply_payment_intent(intent, now=now) in ("paid", "failed"):
+                moved += 1
+        log.info("payment attempt %s synced from Stripe", attempt_id)
+    return moved
+
+
+@transaction.atomic
+def invoice_mark_paid(*, invoice: Invoice, amount: Decimal | None = None,
+                      now: datetime | None = None) -> Invoice:
+    """Record a payment made outside Stripe (bank transfer) for an open/uncollectible invoice."""
+    invoice = Invoice.objects.select_for_update().select_related("organization").get(
+        pk=invoice.pk)
+    if not _payment_succeeded(invoice, amount=invoice.amount_due if amount is None else amount,
+                              now=now or timezone.now()):
+        raise Conflict(f"A {invoice.status} invoice cannot be paid.", param="status")
+    return invoice

@@ -1,0 +1,44 @@
+"""Celery tasks of invoicing: thin, idempotent, delivery options declared once."""
+
+from __future__ import annotations
+
+import stripe
+from celery import shared_task
+
+from billing_platform.invoicing import services
+
+# Late ack + requeue on worker loss: every task here checks state before acting.
+SAFE = {"acks_late": True, "reject_on_worker_lost": True}
+# Only Stripe's transient errors are retried (with backoff); a decline is an outcome, not an
+# error, and anything else must surface.
+STRIPE_TRANSIENT = (stripe.APIConnectionError, stripe.RateLimitError)
+
+
+@shared_task(name="invoicing.period_close", **SAFE)
+def period_close_task() -> dict:
+    """Invoice every organization whose billing period has ended."""
+    report = services.period_close_run()
+    return {"invoices": report.invoices, "passes": report.passes}
+
+
+@shared_task(name="invoicing.charge", autoretry_for=STRIPE_TRANSIENT, retry_backoff=5,
+             retry_backoff_max=600, retry_jitter=True, max_retries=10, **SAFE)
+def invoice_charge_task(invoice_id: int) -> str:
+    """Charge one invoice (never twice: see ``services.invoice_charge``)."""
+    return services.invoice_charge(invoice_id=invoice_id)
+
+
+@shared_task(name="invoicing.dunning", **SAFE)
+def dunning_task() -> int:
+    """Enqueue a charge for every invoice whose dunning retry is due."""
+    due = services.invoices_dunning_run()
+    for invoice_id in due:
+        invoice_charge_task.delay(invoice_id)
+    return len(due)
+
+
+@shared_task(name="invoicing.payments_sync", autoretry_for=STRIPE_TRANSIENT, retry_backoff=30,
+             max_retries=5, **SAFE)
+def payments_sync_task() -> int:
+    """Settle attempts whose webhook never arrived by reading the PaymentIntent."""
+    return services.payments_sync()

@@ -1,0 +1,271 @@
+"""Period close over a month of mixed traffic: every line equals a hand computation.
+
+The traffic is recorded through metering's real record path (``usage_events_record``: rating by
+plans, idempotency, hourly rollups in the same transaction), not through a live gateway: the
+gateway's own tests prove it appends what the engine reported, and this suite proves what
+invoicing makes of recorded, rated usage.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import timedelta
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
+
+import pytest
+from django.db import DatabaseError, IntegrityError, transaction
+
+from billing_platform.invoicing import services
+from billing_platform.invoicing.choices import InvoiceStatus, LineKind
+from billing_platform.invoicing.models import Invoice, InvoiceLine
+from metering.models import UsageEvent
+from plans import services as plan_services
+from plans.models import CreditGrant
+from tests.factories import make_billed_org, make_offering, make_token_plan
+from tests.invoicing.conftest import DEC, NOV, OCT, record
+
+CENT = Decimal("0.01")
+TEN = Decimal("1E-10")
+M = Decimal(1_000_000)
+
+
+def d(value: str) -> Decimal:
+    return Decimal(value)
+
+
+def cents(value: Decimal) -> Decimal:
+    return value.quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+def on_demand(prompt, cached, out, *, p_in, p_cached, p_out, mult=Decimal(1)) -> Decimal:
+    """What DESIGN.md says one request costs: each class rounded to 10 places, then summed."""
+    parts = ((prompt - cached) * p_in * mult / M, cached * p_cached * mult / M,
+             out * p_out * mult / M)
+    return sum((p.quantize(TEN, rounding=ROUND_HALF_EVEN) for p in parts), Decimal(0))
+
+
+@pytest.fixture
+def month(catalog):
+    """October 2026: org A on-demand (tax 20 %) with a reservation and a credit grant; org B on
+    a token plan that crosses its cap into overage."""
+    a = make_billed_org(name="Acme", tax_rate="0.2000")
+    b = make_billed_org(name="Beta")
+    # A: on-demand with cached tokens (two requests, same line), priority, flex
+    record(a, "a1", OCT + timedelta(days=2, hours=3), prompt_tokens=123_457,
+           cached_tokens=23_456, completion_tokens=34_567)
+    record(a, "a2", OCT + timedelta(days=9), prompt_tokens=2_000_000, cached_tokens=1_000_000,
+           completion_tokens=500_000)
+    record(a, "a3", OCT + timedelta(days=10), service_tier="priority", prompt_tokens=300_000,
+           completion_tokens=100_001)
+    record(a, "a4", OCT + timedelta(days=11), model="m-big", service_tier="flex",
+           prompt_tokens=1_000_000, cached_tokens=500_000, completion_tokens=200_000)
+    # A: 2 reserved units of m-big in us-east for October; one request inside, one spilled
+    plan_services.reservation_create(organization=a, offering=make_offering(model="m-big"),
+                                     units=2, term="monthly", starts_at=OCT)
+    record(a, "a5", OCT + timedelta(days=12), model="m-big", capacity_source="provisioned",
+           prompt_tokens=100_000, completion_tokens=50_000)
+    record(a, "a6", OCT + timedelta(days=12, hours=1), model="m-big",
+           capacity_source="spillover", prompt_tokens=200_000, completion_tokens=10_000)
+    plan_services.credit_grant_create(organization=a, kind="promotional", amount="5.00",
+                                      granted_at=OCT)
+    # B: token plan, 1,000,000 credits, overage at on-demand prices past the cap
+    plan = make_token_plan(window_credits=None, credits_per_period="1000000", coefficients=[
+        {"model": "m-small", "token_class": "input", "coefficient": "1"},
+        {"model": "m-small", "token_class": "cached_input", "coefficient": "0.1"},
+        {"model": "m-small", "token_class": "output", "coefficient": "3"},
+    ])
+    plan_services.subscription_create(organization=b, plan=plan, starts_at=OCT)
+    record(b, "b1", OCT + timedelta(days=3), prompt_tokens=600_000, completion_tokens=100_000)
+    record(b, "b2", OCT + timedelta(days=4), prompt_tokens=400_000, cached_tokens=100_000,
+           completion_tokens=50_000)
+    return a, b
+
+
+def _lines(invoice: Invoice) -> dict[tuple, InvoiceLine]:
+    return {(ln.kind, ln.model, ln.service_tier, ln.capacity_source): ln
+            for ln in invoice.lines.all()}
+
+
+def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
+    a, b = month
+
+    # when October closes (an hour into November)
+    report = services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+
+    # then each org has one open invoice for October
+    assert report.invoices == 2
+    inv_a = Invoice.objects.get(organization=a)
+    inv_b = Invoice.objects.get(organization=b)
+    assert (inv_a.period_start, inv_a.period_end) == (OCT, NOV)
+    assert inv_a.status == InvoiceStatus.OPEN and inv_a.number.startswith("INV-2026-")
+    small = {"p_in": d("1.00"), "p_cached": d("0.10"), "p_out": d("2.00")}
+    big = {"p_in": d("3.00"), "p_cached": d("0.30"), "p_out": d("15.00")}
+    lines = _lines(inv_a)
+    # on-demand with cached tokens: two requests in one line, rounded once
+    standard = (on_demand(123_457, 23_456, 34_567, **small)
+                + on_demand(2_000_000, 1_000_000, 500_000, **small))
+    assert standard == d("2.2714806")
+    line = lines[(LineKind.USAGE, "m-small", "default", "on_demand")]
+    assert line.amount_precise == standard and line.amount == d("2.27")
+    assert line.details == {"requests": 2, "input_tokens": 1_100_001,
+                            "cached_input_tokens": 1_023_456, "output_tokens": 534_567}
+    # priority x2
+    priority = on_demand(300_000, 0, 100_001, mult=d("2"), **small)
+    assert lines[(LineKind.USAGE, "m-small", "priority", "on_demand")].amount == \
+        cents(priority) == d("1.00")
+    # flex x0.5: 2.325 rounds half-up to 2.33
+    flex = on_demand(1_000_000, 500_000, 200_000, mult=d("0.5"), **big)
+    line = lines[(LineKind.USAGE, "m-big", "flex", "on_demand")]
+    assert (line.amount_precise, line.amount) == (flex, d("2.33")) == (d("2.325"), d("2.33"))
+    # inside the reservation: no per-token charge; spillover at on-demand prices
+    assert lines[(LineKind.USAGE, "m-big", "default", "provisioned")].amount == d("0.00")
+    spill = on_demand(200_000, 0, 10_000, **big)
+    assert lines[(LineKind.USAGE, "m-big", "default", "spillover")].amount == cents(spill)
+    # the reservation fee: 2 units x 100.00 x 1 month
+    fee = lines[(LineKind.RESERVATION_FEE, "m-big", "", "provisioned")]
+    assert fee.amount == d("200.00")
+    subtotal = d("2.27") + d("1.00") + d("2.33") + d("0.00") + cents(spill) + d("200.00")
+    assert inv_a.subtotal == subtotal == d("206.35")
+    assert inv_a.tax == cents(subtotal * d("0.2")) == d("41.27")
+    # the 5.00 grant is consumed; total = sum of the rounded lines
+    assert inv_a.credits_applied == d("5.00")
+    assert inv_a.total == inv_a.amount_due == d("242.62")
+    assert sum(ln.amount for ln in inv_a.lines.all()) == inv_a.total
+    assert CreditGrant.objects.get(organization=a).remaining == 0
+
+    # B: the plan fee, requests inside the plan at 0, the overage share of b2 at on-demand
+    lines = _lines(inv_b)
+    assert lines[(LineKind.PLAN_FEE, "", "", "")].amount == d("10.00")
+    assert lines[(LineKind.USAGE, "m-small", "default", "plan")].amount == d("0.00")
+    # b2 needs 460,000 credits with 100,000 left: 360/460 of its on-demand price, per class
+    share = Decimal(360_000) / Decimal(460_000)
+    overage = sum((x.quantize(TEN, rounding=ROUND_HALF_EVEN) for x in (
+        d("0.3") * share, d("0.01") * share, d("0.1") * share)), Decimal(0))
+    line = lines[(LineKind.USAGE, "m-small", "default", "overage")]
+    assert line.amount_precise == overage and line.amount == cents(overage) == d("0.32")
+    assert inv_b.total == d("10.32") and inv_b.tax == 0
+
+    # and every usage line equals the sum of its events' rated amounts, rounded once
+    sums: dict[tuple, Decimal] = defaultdict(Decimal)
+    for e in UsageEvent.objects.filter(organization_id__in=[a.id, b.id]):
+        sums[(e.organization_id, e.model, e.service_tier, e.capacity_source)] += e.amount
+    usage = InvoiceLine.objects.filter(kind=LineKind.USAGE)
+    assert {(ln.invoice.organization_id, ln.model, ln.service_tier, ln.capacity_source):
+            ln.amount for ln in usage} == {k: cents(v) for k, v in sums.items()}
+
+    # when the close runs again, nothing new is created
+    again = services.period_close_run(now=NOV + timedelta(hours=2), enqueue_payments=False)
+    assert again.invoices == 0
+    assert Invoice.objects.count() == 2 and InvoiceLine.objects.count() == 11
+
+
+def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month):
+    a, _ = month
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    october = Invoice.objects.get(organization=a)
+    before = [(ln.description, ln.amount) for ln in october.lines.all()]
+
+    # given an October event that arrives after October was invoiced
+    record(a, "late-1", OCT + timedelta(days=20), prompt_tokens=1_000_000)
+
+    # when November closes
+    services.period_close_run(now=DEC + timedelta(hours=1), enqueue_payments=False)
+
+    # then it is billed once, on November's invoice, as late usage from October
+    november = Invoice.objects.get(organization=a, period_start=NOV)
+    (late,) = november.lines.filter(kind=LineKind.LATE_USAGE)
+    assert late.description.startswith("Late usage from 2026-10-01")
+    assert (late.source_period_start, late.source_period_end) == (OCT, NOV)
+    assert late.amount == d("1.00")
+    assert november.subtotal == d("1.00") and november.tax == d("0.20")
+    assert november.total == d("1.20")
+    october.refresh_from_db()
+    assert [(ln.description, ln.amount) for ln in october.lines.all()] == before
+    assert october.total == d("242.62")
+
+    # and a later close does not bill it a second time
+    services.period_close_run(now=DEC + timedelta(days=31, hours=1), enqueue_payments=False)
+    january = Invoice.objects.get(organization=a, period_start=DEC)
+    assert not january.lines.filter(kind=LineKind.LATE_USAGE).exists()
+
+
+def test_finalized_invoices_are_immutable_and_unique_per_period(month):
+    a, _ = month
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    invoice = Invoice.objects.get(organization=a)
+    line = invoice.lines.first()
+
+    with pytest.raises(DatabaseError, match="finalized"), transaction.atomic():
+        InvoiceLine.objects.filter(pk=line.pk).update(amount=d("0.01"))
+    with pytest.raises(DatabaseError, match="finalized"), transaction.atomic():
+        Invoice.objects.filter(pk=invoice.pk).update(total=d("1.00"))
+    with pytest.raises(DatabaseError, match="finalized"), transaction.atomic():
+        invoice.lines.all().delete()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Invoice.objects.create(organization=a, currency="USD", period_start=OCT,
+                               period_end=NOV)
+    # status may still move (payment bookkeeping)
+    services.invoice_mark_paid(invoice=invoice)
+    invoice.refresh_from_db()
+    assert invoice.status == InvoiceStatus.PAID and invoice.total == d("242.62")
+
+
+def test_credit_note_feeds_a_grant_and_void_returns_credits(month):
+    a, b = month
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    inv_a = Invoice.objects.get(organization=a)
+    inv_b = Invoice.objects.get(organization=b)
+
+    note = services.credit_note_create(invoice=inv_b, amount=d("2.50"), reason="outage")
+    assert note.number.startswith("CN-2026-") and note.total == d("-2.50")
+    assert CreditGrant.objects.get(organization=b, kind="credit_note").remaining == d("2.50")
+    inv_b.refresh_from_db()
+    assert inv_b.total == d("10.32")  # the invoice itself never changes
+
+    services.invoice_void(invoice=inv_a, reason="billed in error")
+    inv_a.refresh_from_db()
+    assert inv_a.status == InvoiceStatus.VOID
+    returned = CreditGrant.objects.get(organization=a, kind="credit_note")
+    assert returned.remaining == d("5.00")
+
+
+def test_upcoming_invoice_matches_what_close_will_bill(month):
+    a, _ = month
+    draft = services.upcoming_invoice(organization=a, now=OCT + timedelta(days=20))
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    final = Invoice.objects.get(organization=a)
+    assert [(ln.kind, ln.description, ln.amount) for ln in draft.lines] == [
+        (ln.kind, ln.description, ln.amount) for ln in final.lines.all()]
+    assert draft.total == final.total
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_closes_create_one_invoice_per_org(catalog):
+    import threading
+
+    from django.db import connection
+
+    orgs = [make_billed_org() for _ in range(6)]
+    for i, org in enumerate(orgs):
+        record(org, f"c{i}", OCT + timedelta(days=1), prompt_tokens=1_000_000)
+    errors = []
+
+    def close():
+        try:
+            services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False,
+                                      chunk=2)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=close) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert Invoice.objects.count() == 6
+    numbers = sorted(int(n.rsplit("-", 1)[1]) for n in
+                     Invoice.objects.values_list("number", flat=True))
+    assert numbers == list(range(numbers[0], numbers[0] + 6))  # gapless
