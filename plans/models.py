@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -575,3 +576,129 @@ class CreditGrantApplication(models.Model):
 
     def __str__(self) -> str:
         return f"{self.amount} from {self.grant.public_id} for {self.reference}"
+
+
+# --- quotas: rate limits, budgets, alerts, audit ---------------------------------------------
+
+class QuotaLimit(models.Model):
+    """Rate limits (and a region narrowing) for one organization, project or API key.
+
+    Exactly one row per scope: the org row (project and key null), a project row (key null) or a
+    key row. ``rpm``/``tpm`` null means "no limit at this scope" for projects and keys, and "the
+    usage tier's default" for the org. ``allowed_regions`` empty means "no narrowing"; otherwise
+    requests may only run in these regions (intersected with the org's data zone).
+    """
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="quota_limits")
+    project = models.ForeignKey("accounts.Project", null=True, blank=True,
+                                on_delete=models.CASCADE, related_name="quota_limits")
+    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True,
+                                on_delete=models.CASCADE, related_name="quota_limits")
+    usage_tier = models.CharField(max_length=16, blank=True,
+                                  help_text="Org row only: the default limits' tier.")
+    rpm = models.PositiveBigIntegerField(null=True, blank=True,
+                                         help_text="Requests per minute.")
+    tpm = models.PositiveBigIntegerField(null=True, blank=True,
+                                         help_text="Tokens per minute (prompt + max output).")
+    allowed_regions = ArrayField(models.CharField(max_length=40), default=list, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization"],
+                                    condition=Q(project__isnull=True, api_key__isnull=True),
+                                    name="one_org_quota_limit"),
+            models.UniqueConstraint(fields=["project"], condition=Q(api_key__isnull=True),
+                                    name="one_project_quota_limit"),
+            models.UniqueConstraint(fields=["api_key"], name="one_key_quota_limit"),
+        ]
+
+    def __str__(self) -> str:
+        return f"limits {self.scope} rpm={self.rpm} tpm={self.tpm}"
+
+    @property
+    def scope(self) -> str:
+        return "key" if self.api_key_id else "project" if self.project_id else "organization"
+
+
+class Budget(models.Model):
+    """A monthly spend budget of an organization (project null) or one project.
+
+    ``amount`` is in the organization's currency per calendar month (UTC). A hard budget is
+    never exceeded: admission reserves each request's worst-case cost. A soft one only alerts.
+    ``suspended_at`` is set while a hard budget is exhausted (its keys get 429).
+    """
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="budgets")
+    project = models.ForeignKey("accounts.Project", null=True, blank=True,
+                                on_delete=models.CASCADE, related_name="budgets")
+    amount = _money_field()
+    currency = models.CharField(max_length=3)
+    hard = models.BooleanField(default=True)
+    thresholds = ArrayField(models.PositiveSmallIntegerField(), default=list,
+                            help_text="Alert thresholds in percent, e.g. [50, 80, 100].")
+    alert_emails = ArrayField(models.EmailField(), default=list, blank=True)
+    webhook_url = models.URLField(blank=True)
+    webhook_secret = models.CharField(max_length=80, blank=True, editable=False)
+    suspended_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization"], condition=Q(project__isnull=True),
+                                    name="one_org_budget"),
+            models.UniqueConstraint(fields=["project"], name="one_project_budget"),
+            models.CheckConstraint(condition=Q(amount__gt=0), name="budget_amount_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"budget {self.amount} {self.currency} ({'hard' if self.hard else 'soft'})"
+
+    def save(self, *args, **kwargs) -> None:
+        if not self.public_id:
+            self.public_id = public_id("bud")
+        super().save(*args, **kwargs)
+
+
+class BudgetAlert(models.Model):
+    """One threshold crossed in one period: sent at most once (the unique constraint)."""
+
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts")
+    period_start = models.DateTimeField()
+    threshold = models.PositiveSmallIntegerField()
+    spend = _money_field()
+    email_sent_at = models.DateTimeField(null=True, blank=True)
+    webhook_status = models.CharField(max_length=40, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["budget", "period_start", "threshold"],
+                                    name="one_alert_per_threshold_period"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.threshold}% of {self.budget_id} at {self.period_start:%Y-%m}"
+
+
+class QuotaAuditEvent(models.Model):
+    """Something quota enforcement did or someone changed: limits, budgets, suspensions."""
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="quota_audit_events")
+    action = models.CharField(max_length=40)
+    subject = models.CharField(max_length=80, blank=True)
+    details = models.JSONField(default=dict)
+    actor = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["organization", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.subject}"

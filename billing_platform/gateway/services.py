@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.gateway.errors import GatewayError
@@ -20,9 +24,15 @@ from billing_platform.gateway.validation import InferenceRequest
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
 from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
+from plans import admission as quota
 
 # SGLang with --enable-priority-scheduling runs larger priority values first.
 ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10}
+# Output bound set when a request names none, so worst-case reservations are real bounds.
+DEFAULT_MAX_OUTPUT = int(os.environ.get("TOLLGATE_DEFAULT_MAX_TOKENS", "4096"))
+# Priority is downgraded when every engine queues this many batches' worth of requests.
+SATURATION_QUEUE_FACTOR = float(os.environ.get("TOLLGATE_SATURATION_QUEUE_FACTOR", "4"))
+log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -78,7 +88,7 @@ def openai_usage(result: CallResult) -> dict[str, Any]:
 
 def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
                 engine: EngineInfo | None, result: CallResult | None, status: str,
-                started: datetime) -> dict[str, Any]:
+                started: datetime, capacity: str = "on_demand") -> dict[str, Any]:
     """Build the usage event of one request from the ENGINE's counts."""
     billable = result is not None and status != "engine_error_before_output"
     return {
@@ -91,7 +101,7 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
         "data_zone": principal.data_zone,
         "engine": engine.engine_id if engine else "",
         "service_tier": tier,
-        "capacity_source": "on_demand",
+        "capacity_source": capacity,
         "prompt_tokens": result.prompt_tokens if billable else 0,
         "cached_tokens": result.cached_tokens if billable else 0,
         "completion_tokens": result.completion_tokens if billable else 0,
@@ -116,7 +126,16 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     """Run one inference request; raise GatewayError for answers that are errors."""
     started = datetime.now(tz=UTC)
     allowed = await allowed_regions_for(principal, req.model)
-    tier = "default" if req.service_tier == "auto" else req.service_tier
+    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
+                                 key_id=principal.key_id, model=req.model)
+    allowed = _narrow(allowed, policy, req.model)
+    tier = _serving_tier(req, allowed)
+    ticket = await _admit(principal, req, policy, tier=tier, request_id=request_id,
+                          allowed=allowed)
+    if ticket is not None and ticket.capacity == "provisioned" and policy.provisioned:
+        allowed = {policy.provisioned.region}
+    rate_headers = ticket.headers if ticket is not None else {}
+    capacity = ticket.capacity if ticket is not None else "on_demand"
     fleet = get_fleet()
     call = fleet.client.call(
         model=req.model, path=PATHS[req.kind], body=req.engine_body,
@@ -126,30 +145,145 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     try:
         await call.__aenter__()
     except NoCapacity as exc:
-        raise GatewayError.from_engine(exc) from exc
+        await _settle(ticket, None)
+        raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
     except EngineError as exc:
         engine = call.tried[-1] if call.tried else None
         await _append(usage_event(principal=principal, request_id=request_id, model=req.model,
                                   tier=tier, engine=engine, result=None,
-                                  status="engine_error_before_output", started=started))
-        raise GatewayError.from_engine(exc) from exc
+                                  status="engine_error_before_output", started=started,
+                                  capacity=capacity))
+        await _settle(ticket, None)
+        raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
+    except BaseException:
+        await _settle(ticket, None)
+        raise
     engine = call.tried[-1]
     headers = {"x-request-id": request_id, "x-tollgate-region": engine.region,
-               "openai-model": req.model}
+               "openai-model": req.model, **rate_headers}
     object_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{request_id[4:]}"
     if not req.stream:
-        await call.__aexit__(None, None, None)
-        result = call.result
-        body = call.body or {}
-        body.update(id=object_id, service_tier=tier, usage=openai_usage(result))
-        body.pop("metadata", None)
-        await _append(usage_event(principal=principal, request_id=request_id, model=req.model,
-                                  tier=tier, engine=engine, result=result, status=result.status,
-                                  started=started))
+        try:
+            await call.__aexit__(None, None, None)
+            result = call.result
+            body = call.body or {}
+            body.update(id=object_id, service_tier=tier, usage=openai_usage(result))
+            body.pop("metadata", None)
+            await _append(usage_event(principal=principal, request_id=request_id,
+                                      model=req.model, tier=tier, engine=engine, result=result,
+                                      status=result.status, started=started,
+                                      capacity=capacity))
+        finally:
+            await _settle(ticket, call.result if call.result is not None else None)
         return Served(headers=headers, body=body)
     return Served(headers=headers, stream=_relay(call, req=req, principal=principal,
                                                  request_id=request_id, tier=tier,
-                                                 object_id=object_id, started=started))
+                                                 object_id=object_id, started=started,
+                                                 ticket=ticket, capacity=capacity))
+
+
+def _with_headers(exc: GatewayError, headers: dict[str, str]) -> GatewayError:
+    exc.headers.update(headers)
+    return exc
+
+
+def _narrow(allowed: set[str] | None, policy: quota.QuotaPolicy, model: str
+            ) -> set[str] | None:
+    """Intersect the zone's regions with the key's/project's narrowing (404 if none serve)."""
+    if policy.allowed_regions is None:
+        return allowed
+    narrowed = set(policy.allowed_regions) if allowed is None else (
+        allowed & policy.allowed_regions)
+    if not get_fleet().router.regions_of(model) & narrowed:
+        raise GatewayError(404, f"The model '{model}' is not offered in the regions this API "
+                                f"key may use ({', '.join(sorted(narrowed)) or 'none'}).",
+                           code="model_not_found", param="model")
+    return narrowed
+
+
+def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
+    """Return (spare, saturated) for ``model``'s healthy engines in ``allowed``.
+
+    From each engine's last scraped load. Spare: some engine queues nothing and runs fewer
+    than its maximum. Saturated: every engine's queue is at least SATURATION_QUEUE_FACTOR
+    times its batch (a priority request would wait behind that much work anyway).
+    """
+    router = get_fleet().router
+    try:
+        engines = router.candidates(model, allowed)
+    except EngineError:
+        return True, False  # no engine: the call itself answers 503
+    spare, saturated = False, True
+    for e in engines:
+        # engine_adapter exposes no accessor for the scraped load; read the router's copy.
+        load = router._scraped.get(e.engine_id)
+        if load is None:
+            return True, False
+        batch = max(load.max_running or load.running, 1)
+        if load.queued == 0 and (load.max_running is None or load.running < load.max_running):
+            spare = True
+        if load.queued < SATURATION_QUEUE_FACTOR * batch:
+            saturated = False
+    return spare, saturated
+
+
+def _serving_tier(req: InferenceRequest, allowed: set[str] | None) -> str:
+    tier = "default" if req.service_tier == "auto" else req.service_tier
+    if tier not in ("priority", "flex"):
+        return tier
+    spare, saturated = pool_state(req.model, allowed)
+    if tier == "flex" and not spare:
+        raise GatewayError(429, "Flex processing has no spare capacity right now; retry "
+                                "later or use service_tier 'default'.",
+                           code="resource_unavailable", headers={"retry-after": "5"})
+    if tier == "priority" and saturated:
+        return "default"  # downgraded: billed and reported as default
+    return tier
+
+
+def _max_output(req: InferenceRequest) -> int:
+    body = req.engine_body
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    if value is None:
+        # Bound the output so the worst case (budgets, TPM) is a real bound.
+        value = body["max_tokens"] = DEFAULT_MAX_OUTPUT
+    return int(value)
+
+
+async def _admit(principal: KeyPrincipal, req: InferenceRequest, policy: quota.QuotaPolicy,
+                 *, tier: str, request_id: str, allowed: set[str] | None
+                 ) -> quota.Ticket | None:
+    if policy.provisioned is not None and allowed is not None and (
+            policy.provisioned.region not in allowed):
+        policy = replace(policy, provisioned=None)
+    messages = len(req.engine_body.get("messages") or ()) or 1
+    try:
+        return await quota.aadmit(
+            policy, request_id=request_id, tier=tier, zone=principal.data_zone,
+            prompt_tokens=quota.prompt_token_bound(req.prompt_text, messages),
+            max_output=_max_output(req))
+    except quota.QuotaExceeded as exc:
+        raise GatewayError(429, exc.message, code=exc.code, headers=exc.headers) from exc
+    except RedisError as exc:
+        if any(b.hard for b in policy.budgets):
+            raise GatewayError(503, "Quota enforcement is unavailable, and this organization "
+                                    "has a hard budget; retry shortly.",
+                               code="quota_unavailable", headers={"retry-after": "1"}) from exc
+        log.warning("admission skipped for %s: Redis unavailable (%r)", request_id, exc)
+        return None
+
+
+async def _settle(ticket: quota.Ticket | None, result: CallResult | None) -> None:
+    if ticket is None or ticket.settled:
+        return
+    try:
+        await asyncio.shield(quota.asettle(
+            ticket, prompt_tokens=result.prompt_tokens if result else 0,
+            cached_tokens=result.cached_tokens if result else 0,
+            completion_tokens=result.completion_tokens if result else 0))
+    except RedisError as exc:
+        # The reservation expires on its own; the sweep raises spend to PostgreSQL's.
+        log.warning("settlement of %s failed: %r", ticket.request_id, exc)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -158,8 +292,9 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 
 async def _relay(call: EngineCall, *, req: InferenceRequest, principal: KeyPrincipal,
-                 request_id: str, tier: str, object_id: str,
-                 started: datetime) -> AsyncIterator[bytes]:
+                 request_id: str, tier: str, object_id: str, started: datetime,
+                 ticket: quota.Ticket | None = None,
+                 capacity: str = "on_demand") -> AsyncIterator[bytes]:
     """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
     engine = call.tried[-1]
     metered = False
@@ -168,11 +303,15 @@ async def _relay(call: EngineCall, *, req: InferenceRequest, principal: KeyPrinc
         nonlocal metered
         if not metered:
             metered = True
-            await call.__aexit__(None, None, None)
-            result = call.result
-            await _append(usage_event(principal=principal, request_id=request_id,
-                                      model=req.model, tier=tier, engine=engine, result=result,
-                                      status=result.status, started=started))
+            try:
+                await call.__aexit__(None, None, None)
+                result = call.result
+                await _append(usage_event(principal=principal, request_id=request_id,
+                                          model=req.model, tier=tier, engine=engine,
+                                          result=result, status=result.status,
+                                          started=started, capacity=capacity))
+            finally:
+                await _settle(ticket, call.result)
 
     error_frame = None
     t0 = time.monotonic()

@@ -1,0 +1,428 @@
+"""Quotas: rate limits per org/project/key, monthly budgets, alerts, the reconciling sweep.
+
+PostgreSQL holds what was configured and what was rated (the truth); Redis holds the live
+counters admission uses (see ``plans.admission``). The beat sweep reconciles them: Redis spend
+is raised to PostgreSQL's when it is behind (a lost or flushed Redis), never lowered (Redis is
+ahead by the events not yet ingested); alerts fire once per threshold per period; exhausted hard
+budgets suspend their keys, and a raised budget reinstates them.
+
+Webhook signature scheme (documented for customers): header
+``Tollgate-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>``.
+Verify by recomputing over the raw body and comparing in constant time; reject a ``t`` older
+than 5 minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import httpx
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from billing_platform.accounts.models import ApiKey, Organization, Project
+from billing_platform.errors import InvalidRequest
+from plans import admission
+from plans.models import Budget, BudgetAlert, QuotaAuditEvent, QuotaLimit
+
+log = logging.getLogger(__name__)
+
+# Default organization limits by usage tier (requests and tokens per minute), like OpenAI's
+# tiers. A self-hosted fleet starts orgs at tier-3 so development is not throttled.
+USAGE_TIERS: dict[str, tuple[int, int]] = {
+    "free": (3, 40_000),
+    "tier-1": (500, 200_000),
+    "tier-2": (5_000, 2_000_000),
+    "tier-3": (5_000, 4_000_000),
+    "tier-4": (10_000, 10_000_000),
+    "tier-5": (30_000, 150_000_000),
+}
+DEFAULT_USAGE_TIER = "tier-3"
+DEFAULT_THRESHOLDS = [50, 80, 100]
+
+
+def month_bounds(at: datetime) -> tuple[datetime, datetime]:
+    """Return the calendar month [start, end) of ``at`` in UTC."""
+    at = at.astimezone(UTC)
+    start = datetime(at.year, at.month, 1, tzinfo=UTC)
+    end = datetime(at.year + (at.month == 12), at.month % 12 + 1, 1, tzinfo=UTC)
+    return start, end
+
+
+# --- selectors -----------------------------------------------------------------------------
+
+def rated_spend(*, organization_id: int, project_id: int | None, start: datetime,
+                end: datetime) -> Decimal:
+    """Return the rated amount of [start, end) in PostgreSQL (hourly rollups)."""
+    from metering.models import UsageRollupHourly
+
+    qs = UsageRollupHourly.objects.filter(organization_id=organization_id, hour__gte=start,
+                                          hour__lt=end)
+    if project_id is not None:
+        qs = qs.filter(project_id=project_id)
+    return qs.aggregate(s=Sum("amount"))["s"] or Decimal("0")
+
+
+def limits_of(*, organization_id: int, project_id: int, key_id: int
+              ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
+                         frozenset[str] | None]:
+    """Return the (rpm, tpm) limits per scope and the region narrowing for one key."""
+    rows = {row.scope: row for row in QuotaLimit.objects.filter(
+        Q(organization_id=organization_id, project__isnull=True, api_key__isnull=True)
+        | Q(project_id=project_id, api_key__isnull=True) | Q(api_key_id=key_id))}
+    org = rows.get("organization")
+    tier_rpm, tier_tpm = USAGE_TIERS[(org.usage_tier if org and org.usage_tier
+                                      else DEFAULT_USAGE_TIER)]
+    rpm = [(f"o{organization_id}", org.rpm if org and org.rpm is not None else tier_rpm)]
+    tpm = [(f"o{organization_id}", org.tpm if org and org.tpm is not None else tier_tpm)]
+    regions: frozenset[str] | None = None
+    for scope, tag in (("project", f"p{project_id}"), ("key", f"k{key_id}")):
+        row = rows.get(scope)
+        if row is None:
+            continue
+        if row.rpm is not None:
+            rpm.append((tag, row.rpm))
+        if row.tpm is not None:
+            tpm.append((tag, row.tpm))
+        if row.allowed_regions:
+            mine = frozenset(row.allowed_regions)
+            regions = mine if regions is None else regions & mine
+    if org and org.allowed_regions:
+        mine = frozenset(org.allowed_regions)
+        regions = mine if regions is None else regions & mine
+    return tuple(rpm), tuple(tpm), regions
+
+
+def _pricing_for(org: Organization, model: str, at: datetime) -> Any:
+    from plans.models import PriceBook
+    from plans.pricing import PriceIndex
+    from plans.selectors import subscription_at
+
+    sub = subscription_at(organization=org, at=at)
+    book_id = sub.plan.price_book_id if sub is not None and sub.plan.price_book_id else None
+    if book_id is None:
+        currency = sub.plan.currency if sub is not None else org.currency
+        book_id = (PriceBook.objects.filter(is_default=True, currency=currency)
+                   .values_list("id", flat=True).first())
+    if book_id is None:
+        return None
+    times, pricings = PriceIndex({book_id}, {model}, at, at).series(book_id, model)
+    candidates = [p for t, p in zip(times, pricings, strict=True) if t <= at]
+    return candidates[-1] if candidates else None
+
+
+def _plan_exhausted(org: Organization, at: datetime) -> str:
+    from plans.choices import CapPolicy
+    from plans.selectors import subscription_at, token_plan_status
+
+    sub = subscription_at(organization=org, at=at)
+    if sub is None:
+        return ""
+    status = token_plan_status(subscription=sub, at=at)
+    if status is None or status.cap_policy != CapPolicy.BLOCK or status.credits_left > 0:
+        return ""
+    if status.window_credits is not None and status.window_used >= status.window_credits:
+        return f"the {status.window_hours}-hour window's credits are used up"
+    return "this period's credits are used up"
+
+
+def _provisioned_for(org_id: int, model: str, at: datetime) -> admission.ProvisionedRule | None:
+    from plans.choices import OverflowPolicy
+    from plans.selectors import active_reservations
+
+    r = active_reservations(organization_id=org_id, at=at).filter(model=model).first()
+    if r is None:
+        return None
+    return admission.ProvisionedRule(
+        reservation_id=r.id, region=r.region,
+        tokens_per_minute=r.units * r.tokens_per_minute_per_unit,
+        cache_burndown=r.cache_burndown, output_burndown=r.output_burndown,
+        reject_overflow=r.overflow_policy == OverflowPolicy.REJECT)
+
+
+def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, model: str
+                      ) -> admission.QuotaPolicy:
+    """Return what admission enforces for one key and model, read from PostgreSQL."""
+    now = timezone.now()
+    org = Organization.objects.get(pk=organization_id)
+    rpm, tpm, regions = limits_of(organization_id=organization_id, project_id=project_id,
+                                  key_id=key_id)
+    start, end = month_bounds(now)
+    budgets = []
+    for b in Budget.objects.filter(Q(organization_id=organization_id, project__isnull=True)
+                                   | Q(project_id=project_id)).order_by("project_id"):
+        scope = "project" if b.project_id else "organization"
+        budgets.append(admission.BudgetRule(
+            budget_id=b.id, scope=scope, limit=b.amount, hard=b.hard,
+            spent_seed=rated_spend(organization_id=organization_id, project_id=b.project_id,
+                                   start=start, end=end),
+            suspended=b.suspended_at is not None))
+    # org budget first, then the project's (the order of the spend-limit codes' precedence)
+    budgets.sort(key=lambda b: b.scope != "organization")
+    return admission.QuotaPolicy(
+        org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
+        budgets=tuple(budgets), pricing=_pricing_for(org, model, now), allowed_regions=regions,
+        provisioned=_provisioned_for(organization_id, model, now),
+        plan_exhausted=_plan_exhausted(org, now), currency=org.currency)
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    budget: Budget
+    period_start: datetime
+    pg_spend: Decimal
+    live_spend: Decimal  # max(Redis settled spend, PostgreSQL)
+    reserved: Decimal
+
+    @property
+    def percent(self) -> Decimal:
+        return (self.live_spend * 100 / self.budget.amount).quantize(Decimal("0.01"))
+
+
+def budget_state(*, budget: Budget, at: datetime | None = None) -> BudgetState:
+    """Return a budget's spend this month (PostgreSQL and live) and what is reserved now."""
+    from billing_platform.redis_conn import get_redis
+
+    at = at or timezone.now()
+    start, end = month_bounds(at)
+    pg = rated_spend(organization_id=budget.organization_id, project_id=budget.project_id,
+                     start=start, end=end)
+    raw = get_redis().hmget(admission.budget_key(budget.organization_id, budget.id, at),
+                            "spent", "reserved")
+    live = max(pg, admission.from_micro(raw[0])) if raw[0] is not None else pg
+    reserved = admission.from_micro(raw[1]) if raw[1] is not None else Decimal("0")
+    return BudgetState(budget, start, pg, live, reserved)
+
+
+def budgets_of(*, organization: Organization) -> list[Budget]:
+    return list(Budget.objects.filter(organization=organization)
+                .select_related("project").order_by("project_id"))
+
+
+def limits_rows_of(*, organization: Organization) -> list[QuotaLimit]:
+    return list(QuotaLimit.objects.filter(organization=organization)
+                .select_related("project", "api_key").order_by("project_id", "api_key_id"))
+
+
+# --- services ------------------------------------------------------------------------------
+
+def _audit(*, organization_id: int, action: str, subject: str = "",
+           details: dict[str, Any] | None = None, actor: Any = None) -> None:
+    QuotaAuditEvent.objects.create(
+        organization_id=organization_id, action=action, subject=subject,
+        details=details or {}, actor=actor if getattr(actor, "pk", None) else None)
+
+
+def quota_limit_set(*, organization: Organization, project: Project | None = None,
+                    api_key: ApiKey | None = None, rpm: int | None = None,
+                    tpm: int | None = None, usage_tier: str = "",
+                    allowed_regions: Iterable[str] = (), actor: Any = None) -> QuotaLimit:
+    """Create or replace the limits of an org, a project or a key (null: inherit/none)."""
+    if usage_tier and usage_tier not in USAGE_TIERS:
+        raise InvalidRequest(f"Unknown usage tier {usage_tier!r}; one of "
+                             f"{', '.join(USAGE_TIERS)}.", param="usage_tier")
+    if usage_tier and (project or api_key):
+        raise InvalidRequest("A usage tier is set on the organization only.",
+                             param="usage_tier")
+    for name, value in (("rpm", rpm), ("tpm", tpm)):
+        if value is not None and value < 0:
+            raise InvalidRequest(f"'{name}' must be a non-negative integer.", param=name)
+    regions = sorted(set(allowed_regions))
+    if api_key is not None:
+        project = None
+        lookup = {"api_key": api_key}
+    elif project is not None:
+        lookup = {"project": project, "api_key__isnull": True}
+    else:
+        lookup = {"project__isnull": True, "api_key__isnull": True}
+    with transaction.atomic():
+        row = QuotaLimit.objects.select_for_update().filter(
+            organization=organization, **lookup).first()
+        if row is None:
+            row = QuotaLimit(organization=organization, project=project, api_key=api_key)
+        row.rpm, row.tpm, row.usage_tier = rpm, tpm, usage_tier
+        row.allowed_regions, row.updated_at = regions, timezone.now()
+        row.save()
+        _audit(organization_id=organization.id, action="limits.set",
+               subject=(api_key.public_id if api_key else project.public_id if project
+                        else organization.public_id),
+               details={"rpm": rpm, "tpm": tpm, "usage_tier": usage_tier,
+                        "allowed_regions": regions}, actor=actor)
+    return row
+
+
+def budget_set(*, organization: Organization, project: Project | None = None,
+               amount: Decimal | str, hard: bool = True,
+               thresholds: Iterable[int] | None = None, alert_emails: Iterable[str] = (),
+               webhook_url: str = "", actor: Any = None) -> Budget:
+    """Create or change the monthly budget of an org or project; reinstate if now under it."""
+    amount = Decimal(str(amount))
+    if not amount.is_finite() or amount <= 0:
+        raise InvalidRequest("'amount' must be a positive decimal.", param="amount")
+    levels = sorted(set(thresholds if thresholds is not None else DEFAULT_THRESHOLDS))
+    if not levels or any(t < 1 or t > 1000 for t in levels):
+        raise InvalidRequest("'thresholds' must be percentages from 1 to 1000.",
+                             param="thresholds")
+    with transaction.atomic():
+        budget = Budget.objects.select_for_update().filter(
+            organization=organization, project=project).first()
+        created = budget is None
+        if created:
+            budget = Budget(organization=organization, project=project,
+                            currency=organization.currency,
+                            webhook_secret=f"whsec_{secrets.token_hex(24)}")
+        before = str(budget.amount) if not created else None
+        budget.amount, budget.hard, budget.thresholds = amount, hard, levels
+        budget.alert_emails = list(alert_emails)
+        budget.webhook_url = webhook_url
+        budget.updated_at = timezone.now()
+        budget.save()
+        _audit(organization_id=organization.id, action="budget.set", subject=budget.public_id,
+               details={"amount": str(amount), "previous": before, "hard": hard,
+                        "thresholds": levels}, actor=actor)
+    _apply_suspension(budget_state(budget=budget))
+    return budget
+
+
+def budget_delete(*, budget: Budget, actor: Any = None) -> None:
+    """Remove a budget (its keys are no longer limited by it)."""
+    _audit(organization_id=budget.organization_id, action="budget.delete",
+           subject=budget.public_id, actor=actor)
+    budget.delete()
+
+
+def sign_webhook(*, secret: str, body: bytes, timestamp: int | None = None) -> str:
+    """Return the ``Tollgate-Signature`` header value for ``body``."""
+    ts = int(time.time()) if timestamp is None else timestamp
+    mac = hmac.new(secret.encode(), f"{ts}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={ts},v1={mac}"
+
+
+def verify_webhook(*, secret: str, body: bytes, header: str, tolerance_s: int = 300) -> bool:
+    """Return whether ``header`` is a valid, fresh signature of ``body``."""
+    try:
+        parts = dict(p.split("=", 1) for p in header.split(","))
+        ts = int(parts["t"])
+    except (KeyError, ValueError):
+        return False
+    if abs(time.time() - ts) > tolerance_s:
+        return False
+    expected = sign_webhook(secret=secret, body=body, timestamp=ts).split("v1=", 1)[1]
+    return hmac.compare_digest(expected, parts.get("v1", ""))
+
+
+def _send_alert(alert: BudgetAlert, state: BudgetState) -> None:
+    budget = state.budget
+    org = budget.organization
+    who = f"project {budget.project.name}" if budget.project_id else f"organization {org.name}"
+    subject = (f"[Tollgate] {who} reached {alert.threshold}% of its monthly budget "
+               f"({state.live_spend.quantize(Decimal('0.01'))} of {budget.amount} "
+               f"{budget.currency})")
+    recipients = budget.alert_emails or [org.billing_email]
+    send_mail(subject, f"{subject}.\n\nPeriod: {alert.period_start:%Y-%m}.\n"
+              f"{'Requests are refused at 100% (hard budget).' if budget.hard else ''}",
+              None, recipients)
+    alert.email_sent_at = timezone.now()
+    if budget.webhook_url:
+        payload = {"type": "budget.threshold_reached", "budget": budget.public_id,
+                   "organization": org.public_id,
+                   "project": budget.project.public_id if budget.project_id else None,
+                   "threshold": alert.threshold, "spend": str(state.live_spend),
+                   "amount": str(budget.amount), "currency": budget.currency,
+                   "period_start": alert.period_start.isoformat(), "hard": budget.hard,
+                   "alert_id": alert.id}
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        try:
+            r = httpx.post(budget.webhook_url, content=body, timeout=5, headers={
+                "Content-Type": "application/json",
+                "Tollgate-Signature": sign_webhook(secret=budget.webhook_secret, body=body)})
+            alert.webhook_status = str(r.status_code)
+        except httpx.HTTPError as exc:
+            alert.webhook_status = f"failed: {type(exc).__name__}"[:40]
+    alert.save(update_fields=["email_sent_at", "webhook_status"])
+
+
+def _apply_suspension(state: BudgetState) -> str:
+    budget = state.budget
+    exhausted = budget.hard and state.live_spend >= budget.amount
+    if exhausted and budget.suspended_at is None:
+        budget.suspended_at = timezone.now()
+        budget.save(update_fields=["suspended_at"])
+        _audit(organization_id=budget.organization_id, action="keys.suspended",
+               subject=budget.public_id, details={"spend": str(state.live_spend),
+                                                  "amount": str(budget.amount)})
+        return "suspended"
+    if not exhausted and budget.suspended_at is not None:
+        budget.suspended_at = None
+        budget.save(update_fields=["suspended_at"])
+        _audit(organization_id=budget.organization_id, action="keys.reinstated",
+               subject=budget.public_id, details={"spend": str(state.live_spend),
+                                                  "amount": str(budget.amount)})
+        return "reinstated"
+    return ""
+
+
+def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str, Any]:
+    """Fix Redis drift for one budget, fire due alerts once, suspend or reinstate its keys."""
+    from billing_platform.redis_conn import get_redis
+
+    at = at or timezone.now()
+    r = get_redis()
+    r.eval(admission.PURGE_LUA, 2, *admission.reservations_keys(budget.organization_id))
+    key = admission.budget_key(budget.organization_id, budget.id, at)
+    start, end = month_bounds(at)
+    pg = rated_spend(organization_id=budget.organization_id, project_id=budget.project_id,
+                     start=start, end=end)
+    raw = r.hget(key, "spent")
+    fixed = False
+    if raw is None or admission.from_micro(raw) < pg:
+        # Redis lost spend (restart, flush): PostgreSQL is the truth. Max, never lower.
+        r.eval("local c = tonumber(redis.call('HGET', KEYS[1], 'spent') or '-1') "
+               "if c < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'spent', ARGV[1]) "
+               "redis.call('HSETNX', KEYS[1], 'reserved', 0) "
+               "redis.call('PEXPIRE', KEYS[1], 3456000000) end return 1",
+               1, key, admission.to_micro(pg))
+        fixed = raw is not None
+        if fixed:
+            _audit(organization_id=budget.organization_id, action="budget.drift_fixed",
+                   subject=budget.public_id,
+                   details={"redis": str(admission.from_micro(raw)), "postgres": str(pg)})
+    state = budget_state(budget=budget, at=at)
+    fired = []
+    for threshold in budget.thresholds:
+        if state.live_spend * 100 < budget.amount * threshold:
+            continue
+        try:
+            with transaction.atomic():
+                alert = BudgetAlert.objects.create(budget=budget, period_start=start,
+                                                   threshold=threshold, spend=state.live_spend)
+        except IntegrityError:
+            continue  # already fired this period
+        _audit(organization_id=budget.organization_id, action="budget.alert",
+               subject=budget.public_id,
+               details={"threshold": threshold, "spend": str(state.live_spend)})
+        _send_alert(alert, state)
+        fired.append(threshold)
+    change = _apply_suspension(state)
+    return {"fired": fired, "drift_fixed": fixed, "change": change,
+            "spend": str(state.live_spend)}
+
+
+def budget_sweep() -> dict[str, Any]:
+    """Reconcile every budget (the beat task)."""
+    results = {}
+    for budget in Budget.objects.select_related("organization", "project"):
+        results[budget.public_id] = budget_reconcile(budget=budget)
+    return results
