@@ -7,6 +7,8 @@ import os
 from celery import Celery
 from kombu import Exchange, Queue
 
+from billing_platform import env
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 
 app = Celery("tollgate")
@@ -25,6 +27,10 @@ app.conf.beat_schedule = {
     "flush-api-key-last-used": {
         "task": "accounts.flush_api_key_last_used",
         "schedule": float(os.environ.get("TOLLGATE_LAST_USED_FLUSH_S", "30")),
+    },
+    "batch-sweep": {
+        "task": "batch.sweep",
+        "schedule": env.BATCH_SWEEP_S,
     },
     "fleet-health-check": {
         "task": "fleet.health_check",

@@ -48,3 +48,13 @@ WEB_PORT: int = env.int("TOLLGATE_PORT", default=8000)
 STRIPE_API_BASE: str = env.str("STRIPE_API_BASE", default="https://api.stripe.com")
 INVOICING_DUNNING_DAYS: list[int] = [
     int(d) for d in env.list("TOLLGATE_DUNNING_DAYS", default=["1", "3", "7"])]
+
+# Batch API: where uploaded and generated files live (object storage later).
+FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))
+# Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
+# dead worker's lines are claimed again.
+BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
+# Share of an engine's running slots batch work may fill; interactive traffic keeps the rest.
+BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION", default=0.5)
+# Beat period of the batch sweep (expiry, cancellation, restarting orphaned batches).
+BATCH_SWEEP_S: float = env.float("TOLLGATE_BATCH_SWEEP_S", default=15.0)

@@ -53,3 +53,71 @@ def served_models() -> dict[str, set[str]]:
     for model, region in Pool.objects.filter(in_spec=True).values_list("model", "region"):
         models.setdefault(model, set()).add(region)
     return models
+
+
+# -- spare capacity: the signal batch (and flex admission) run on ----------------------------
+
+_max_running_cache: dict[str, int] = {}
+
+
+def _candidates(model: str, regions: set[str] | None) -> tuple[list[EngineInfo], FleetSnapshot]:
+    snap = fleet_snapshot()
+    engines = [e for e in snap.engines if e.model == model and e.engine_id in snap.healthy
+               and (regions is None or e.region in regions)]
+    return engines, snap
+
+
+def _probe(engines: list[EngineInfo], timeout: float) -> dict[str, EngineLoad | None]:
+    """Scrape each engine's /metrics now (and /get_server_info once, for its running cap)."""
+    import httpx
+
+    from engine_adapter.metrics import parse_engine_load
+
+    loads: dict[str, EngineLoad | None] = {}
+    with httpx.Client(timeout=timeout) as http:
+        for engine in engines:
+            try:
+                raw = parse_engine_load(http.get(f"{engine.url}/metrics").text)
+                cap = int(raw.get("max_running") or 0) or _max_running_cache.get(engine.url)
+                if not cap:
+                    info = http.get(f"{engine.url}/get_server_info").json()
+                    cap = int(info.get("max_running_requests") or 0) or None
+                    if cap:
+                        _max_running_cache[engine.url] = cap
+            except (httpx.HTTPError, ValueError):
+                loads[engine.engine_id] = None  # unreachable: no spare capacity there
+                continue
+            loads[engine.engine_id] = EngineLoad(
+                running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
+                token_usage=float(raw.get("token_usage", 0.0)), max_running=cap)
+    return loads
+
+
+def spare_slots(*, model: str, regions: set[str] | None = None, fraction: float = 0.5,
+                live: bool = False, default_max_running: int = 64,
+                timeout: float = 1.0) -> int:
+    """Return how many more low-priority requests the model's engines can take right now.
+
+    An engine has spare room only while nothing waits in its queue and fewer than
+    ``fraction`` of its running slots are busy; the room is what is left below that line.
+    ``live`` scrapes the engines now instead of using the health loop's last scrape, for
+    callers (batch workers) that act on the answer many times a second.
+    """
+    engines, snap = _candidates(model, regions)
+    loads: dict[str, EngineLoad | None] = (
+        _probe(engines, timeout) if live else {e.engine_id: snap.loads.get(e.engine_id)
+                                               for e in engines})
+    slots = 0
+    for engine in engines:
+        load = loads.get(engine.engine_id)
+        if load is None or load.queued > 0:
+            continue
+        cap = load.max_running or default_max_running
+        slots += max(0, max(1, int(cap * fraction)) - load.running)
+    return slots
+
+
+def spare_capacity(*, model: str, regions: set[str] | None = None, fraction: float = 0.5,
+                   live: bool = False) -> bool:
+    """Return True while the model's pool (in ``regions``) has room for low-priority work."""
+    return spare_slots(model=model, regions=regions, fraction=fraction, live=live) > 0

@@ -1,0 +1,501 @@
+"""Batches: create, validate, claim, record, cancel, expire, finalize.
+
+Life of a batch (OpenAI's statuses): ``validating`` (a worker parses the input file; a bad file
+ends ``failed`` with line-level ``errors``) -> ``in_progress`` (lines run; see runner.py) ->
+``finalizing`` (output and error files written) -> ``completed``. ``cancel`` moves it to
+``cancelling``: pending lines are dropped at once, lines in flight finish and are kept, then
+``cancelled``. Past ``expires_at`` the sweep moves it to ``expired`` with what finished.
+
+Exactly-once: a line's result, its new state and its usage event are written by ONE
+conditional UPDATE (``state = running AND lease_token = ours``), and the event is appended to
+the metering stream afterwards under the line's request id (the stream's idempotency key). A
+worker killed before the UPDATE leaves a leased line that is claimed again when the lease runs
+out; one killed after it leaves an unmetered line that the next flush appends. Lines that
+failed, expired or were cancelled have no usage event: only completed lines are billed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, F, Q, QuerySet
+from django.utils import timezone
+
+from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.gateway.batch import files
+from billing_platform.gateway.errors import GatewayError, invalid
+from billing_platform.gateway.models import (
+    ACTIVE_STATUSES,
+    Batch,
+    BatchLine,
+    BatchStatus,
+    FilePurpose,
+    LineState,
+    StoredFile,
+)
+from billing_platform.gateway.validation import parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}
+MAX_REPORTED_ERRORS = 1000
+MAX_ATTEMPTS = 3
+
+
+# -- create, read ------------------------------------------------------------------------------
+
+def batch_create(*, principal: KeyPrincipal, input_file_id: Any, endpoint: Any,
+                 completion_window: Any, metadata: Any = None) -> Batch:
+    """Create a batch in ``validating`` and enqueue its validation."""
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise invalid("'input_file_id' is required.", param="input_file_id")
+    if endpoint not in ENDPOINTS:
+        raise invalid(f"Invalid endpoint {endpoint!r}; expected one of "
+                      f"{', '.join(ENDPOINTS)}.", param="endpoint")
+    if completion_window not in settings.BATCH_COMPLETION_WINDOWS:
+        raise invalid(f"Invalid completion_window {completion_window!r}; expected '24h'.",
+                      param="completion_window")
+    if metadata is not None and (
+            not isinstance(metadata, dict) or len(metadata) > 16
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str)
+                       and len(v) <= 512 for k, v in metadata.items())):
+        raise invalid("'metadata' must be an object of at most 16 string keys (64 chars) "
+                      "and string values (512 chars).", param="metadata")
+    file = files.file_get(org_id=principal.org_id, file_id=input_file_id)
+    if file.purpose != FilePurpose.BATCH:
+        raise invalid(f"File {input_file_id} has purpose {file.purpose!r}; a batch needs a "
+                      "file uploaded with purpose 'batch'.", param="input_file_id")
+    window = settings.BATCH_COMPLETION_WINDOWS[completion_window]
+    batch = Batch.objects.create(
+        organization_id=principal.org_id, project_id=principal.project_id,
+        api_key_id=principal.key_id, principal=asdict(principal), endpoint=endpoint,
+        completion_window=completion_window, input_file=file, metadata=metadata,
+        expires_at=timezone.now() + timedelta(seconds=window), heartbeat_at=timezone.now())
+    from billing_platform.gateway import tasks
+
+    transaction.on_commit(lambda: tasks.batch_start.delay(batch.pk))
+    return batch
+
+
+def batches_for_org(*, org_id: int) -> QuerySet[Batch]:
+    """Return the organization's batches, newest first."""
+    return Batch.objects.filter(organization_id=org_id).select_related(
+        "input_file", "output_file", "error_file").order_by("-id")
+
+
+def batch_get(*, org_id: int, batch_id: str) -> Batch:
+    """Return one of the organization's batches, or raise a 404 GatewayError."""
+    batch = batches_for_org(org_id=org_id).filter(public_id=batch_id).first()
+    if batch is None:
+        raise GatewayError(404, f"No batch found with id '{batch_id}'.", param="batch_id",
+                           code="batch_not_found")
+    return batch
+
+
+def _ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value else None
+
+
+def batch_object(batch: Batch) -> dict[str, Any]:
+    """Return the OpenAI Batch object."""
+    def file_id(file: StoredFile | None) -> str | None:
+        return file.public_id if file else None
+
+    return {
+        "id": batch.public_id, "object": "batch", "endpoint": batch.endpoint,
+        "model": batch.model or None,
+        "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
+        "input_file_id": file_id(batch.input_file), "completion_window": batch.completion_window,
+        "status": batch.status, "output_file_id": file_id(batch.output_file),
+        "error_file_id": file_id(batch.error_file),
+        "created_at": _ts(batch.created_at), "in_progress_at": _ts(batch.in_progress_at),
+        "expires_at": _ts(batch.expires_at), "finalizing_at": _ts(batch.finalizing_at),
+        "completed_at": _ts(batch.completed_at), "failed_at": _ts(batch.failed_at),
+        "expired_at": _ts(batch.expired_at), "cancelling_at": _ts(batch.cancelling_at),
+        "cancelled_at": _ts(batch.cancelled_at),
+        "request_counts": {"total": batch.total, "completed": batch.completed,
+                           "failed": batch.failed},
+        "metadata": batch.metadata,
+    }
+
+
+# -- validating -> in_progress | failed --------------------------------------------------------
+
+@dataclass
+class _Parsed:
+    line_no: int
+    custom_id: str
+    body: dict[str, Any]
+    model: str
+
+
+def _line_error(code: str, message: str, line: int, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed], list[dict]]:
+    """Parse and check every line; return the lines and the line-level errors (1-based)."""
+    parse = ENDPOINTS[batch.endpoint]
+    parsed: list[_Parsed] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    models: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            errors.append(_line_error("invalid_json_line", "This line is not parseable as "
+                                      "valid JSON.", number))
+            continue
+        if not isinstance(doc, dict):
+            errors.append(_line_error("invalid_json_line", "Each line must be a JSON object.",
+                                      number))
+            continue
+        custom_id = doc.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            errors.append(_line_error("missing_required_parameter", "Missing required "
+                                      "parameter: 'custom_id'.", number, "custom_id"))
+            continue
+        if len(custom_id) > 512:
+            errors.append(_line_error("invalid_value", "'custom_id' is longer than 512 "
+                                      "characters.", number, "custom_id"))
+            continue
+        if custom_id in seen:
+            errors.append(_line_error("duplicate_custom_id", f"The custom_id {custom_id!r} "
+                                      "is used by another request in this file.", number,
+                                      "custom_id"))
+            continue
+        seen.add(custom_id)
+        if doc.get("method", "POST") != "POST":
+            errors.append(_line_error("invalid_value", "'method' must be 'POST'.", number,
+                                      "method"))
+            continue
+        if doc.get("url") != batch.endpoint:
+            errors.append(_line_error("invalid_url", f"The url {doc.get('url')!r} does not "
+                                      f"match the batch endpoint {batch.endpoint}.", number,
+                                      "url"))
+            continue
+        body = doc.get("body")
+        try:
+            req = parse(body)
+        except GatewayError as exc:
+            errors.append(_line_error("invalid_request", exc.message, number,
+                                      f"body.{exc.param}" if exc.param else "body"))
+            continue
+        if req.stream:
+            errors.append(_line_error("invalid_value", "Batch requests cannot stream.", number,
+                                      "body.stream"))
+            continue
+        models.add(req.model)
+        if len(models) > 1:
+            errors.append(_line_error("mismatched_model", "Every request in a batch must use "
+                                      f"the same model; found {sorted(models)}.", number,
+                                      "body.model"))
+            models = {parsed[0].model} if parsed else set()
+            continue
+        parsed.append(_Parsed(number, custom_id, body, req.model))
+    return parsed, errors
+
+
+def _model_error(principal: KeyPrincipal, model: str) -> str | None:
+    """Return why the caller may not run ``model`` (existence, key, data zone), or None."""
+    import asyncio
+
+    from billing_platform.gateway.services import allowed_regions_for
+
+    try:
+        asyncio.run(allowed_regions_for(principal, model))
+    except GatewayError as exc:
+        return exc.message
+    return None
+
+
+def batch_validate(*, batch_id: int) -> Batch | None:
+    """Validate a ``validating`` batch's file; load its lines (in_progress) or fail it."""
+    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
+    if batch is None or batch.status != BatchStatus.VALIDATING:
+        return batch
+    errors: list[dict[str, Any]] = []
+    parsed: list[_Parsed] = []
+    path = files.file_path(batch.input_file) if batch.input_file else None
+    if path is None or not path.exists():
+        errors.append(_line_error("file_not_found", "The input file was deleted.", 0))
+    else:
+        with open(path, "rb") as handle:
+            parsed, errors = _parse_input(batch, iter(handle))
+        if not parsed and not errors:
+            errors.append(_line_error("empty_file", "The input file has no requests.", 0))
+    model = parsed[0].model if parsed else ""
+    if not errors:
+        why = _model_error(KeyPrincipal.from_json(batch.principal), model)
+        if why:
+            errors.append(_line_error("model_not_found", why, parsed[0].line_no, "body.model"))
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().get(pk=batch.pk)
+        if locked.status != BatchStatus.VALIDATING:
+            return locked
+        if errors:
+            Batch.objects.filter(pk=batch.pk).update(
+                status=BatchStatus.FAILED, failed_at=now,
+                errors=errors[:MAX_REPORTED_ERRORS], total=0)
+        else:
+            BatchLine.objects.bulk_create(
+                [BatchLine(batch_id=batch.pk, line_no=p.line_no, custom_id=p.custom_id,
+                           body=p.body, request_id=f"{batch.public_id}-{p.line_no}")
+                 for p in parsed], batch_size=2000)
+            Batch.objects.filter(pk=batch.pk).update(
+                status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=model,
+                total=len(parsed), heartbeat_at=now)
+    batch.refresh_from_db()
+    return batch
+
+
+# -- in_progress: claims and results -----------------------------------------------------------
+
+def batch_heartbeat(*, batch_id: int) -> str | None:
+    """Record that a runner is alive; return the batch's status (None if it is gone)."""
+    Batch.objects.filter(pk=batch_id).update(heartbeat_at=timezone.now())
+    return Batch.objects.filter(pk=batch_id).values_list("status", flat=True).first()
+
+
+def batch_lines_claim(*, batch_id: int, limit: int) -> tuple[str, list[BatchLine]]:
+    """Lease up to ``limit`` runnable lines (pending, or leased by a worker that died)."""
+    token = secrets.token_hex(8)
+    lease_until = timezone.now() + timedelta(seconds=settings.BATCH_LEASE_S)
+    with connection.cursor() as cur:
+        cur.execute(
+            """
+            UPDATE gateway_batchline SET state = %s, lease_until = %s, lease_token = %s,
+                   attempts = attempts + 1
+            WHERE id IN (
+                SELECT id FROM gateway_batchline
+                WHERE batch_id = %s AND (state = %s OR (state = %s AND lease_until < now()))
+                ORDER BY line_no LIMIT %s FOR UPDATE SKIP LOCKED)
+              AND EXISTS (SELECT 1 FROM gateway_batch b WHERE b.id = %s AND b.status = %s)
+            RETURNING id
+            """,
+            [LineState.RUNNING, lease_until, token, batch_id, LineState.PENDING,
+             LineState.RUNNING, limit, batch_id, BatchStatus.IN_PROGRESS])
+        ids = [row[0] for row in cur.fetchall()]
+    return token, list(BatchLine.objects.filter(id__in=ids).order_by("line_no"))
+
+
+@dataclass
+class LineOutcome:
+    """What running one line produced; ``retry`` puts it back to pending."""
+
+    line_id: int
+    state: str = LineState.COMPLETED
+    status_code: int | None = None
+    response: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    retry: bool = False
+
+
+def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]) -> int:
+    """Write the outcomes of lines this worker still holds; meter the completed ones.
+
+    A line whose lease was lost (expired, cancelled, or claimed again) is left alone: its
+    result is dropped unbilled. Return how many lines were recorded.
+    """
+    now = timezone.now()
+    recorded = completed = failed = 0
+    with transaction.atomic():
+        for out in outcomes:
+            held = BatchLine.objects.filter(id=out.line_id, state=LineState.RUNNING,
+                                            lease_token=token)
+            if out.retry:
+                held.update(state=LineState.PENDING, lease_until=None, lease_token="")
+                continue
+            n = held.update(state=out.state, status_code=out.status_code,
+                            response=out.response, error=out.error, usage=out.usage,
+                            metered=False, finished_at=now, lease_until=None)
+            recorded += n
+            if n and out.state == LineState.COMPLETED:
+                completed += 1
+            elif n:
+                failed += 1
+        if completed or failed:
+            Batch.objects.filter(pk=batch_id).update(
+                completed=F("completed") + completed, failed=F("failed") + failed,
+                heartbeat_at=now)
+    batch_usage_flush(batch_id=batch_id)
+    return recorded
+
+
+def batch_usage_flush(*, batch_id: int | None = None) -> int:
+    """Append the usage events of completed, not yet metered lines; return how many."""
+    from metering.services import usage_event_append
+
+    lines = BatchLine.objects.filter(state=LineState.COMPLETED, metered=False)
+    if batch_id is not None:
+        lines = lines.filter(batch_id=batch_id)
+    done = []
+    for line_id, usage in lines.values_list("id", "usage").iterator(chunk_size=2000):
+        if usage:
+            usage_event_append(usage)  # idempotent: the line's request id is the event's key
+        done.append(line_id)
+        if len(done) >= 2000:
+            BatchLine.objects.filter(id__in=done).update(metered=True)
+            done.clear()
+    if done:
+        BatchLine.objects.filter(id__in=done).update(metered=True)
+    return len(done)
+
+
+# -- cancel, expire, finalize ------------------------------------------------------------------
+
+def batch_cancel(*, batch: Batch) -> Batch:
+    """Cancel a batch: drop pending lines now, keep finished ones; ends ``cancelled``."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().get(pk=batch.pk)
+        if locked.status == BatchStatus.VALIDATING:
+            Batch.objects.filter(pk=batch.pk).update(
+                status=BatchStatus.CANCELLED, cancelling_at=now, cancelled_at=now)
+        elif locked.status == BatchStatus.IN_PROGRESS:
+            Batch.objects.filter(pk=batch.pk).update(status=BatchStatus.CANCELLING,
+                                                     cancelling_at=now)
+            BatchLine.objects.filter(batch_id=batch.pk, state=LineState.PENDING).update(
+                state=LineState.CANCELLED, finished_at=now)
+        elif locked.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+            raise GatewayError(409, f"Cannot cancel a batch with status '{locked.status}'.",
+                               code="batch_not_cancellable")
+    batch_finalize_if_done(batch_id=batch.pk)
+    return batches_for_org(org_id=batch.organization_id).get(pk=batch.pk)
+
+
+def batch_expire(*, batch_id: int) -> None:
+    """End an overdue batch as ``expired``: unfinished lines are dropped, finished kept."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().get(pk=batch_id)
+        if locked.status not in ACTIVE_STATUSES or locked.expires_at > now:
+            return
+        BatchLine.objects.filter(
+            batch_id=batch_id, state__in=(LineState.PENDING, LineState.RUNNING)).update(
+            state=LineState.EXPIRED, finished_at=now, lease_token="")
+        Batch.objects.filter(pk=batch_id).update(status=BatchStatus.FINALIZING,
+                                                 finalizing_at=now)
+    _finalize(batch_id=batch_id, final=BatchStatus.EXPIRED, stamp="expired_at")
+
+
+def batch_finalize_if_done(*, batch_id: int) -> bool:
+    """Finish the batch if no line is left to run; return True if it was finalized now."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().filter(pk=batch_id).first()
+        if locked is None:
+            return False
+        unfinished = BatchLine.objects.filter(batch_id=batch_id)
+        if locked.status == BatchStatus.IN_PROGRESS:
+            if unfinished.filter(state__in=(LineState.PENDING, LineState.RUNNING)).exists():
+                return False
+            final, stamp = BatchStatus.COMPLETED, "completed_at"
+        elif locked.status == BatchStatus.CANCELLING:
+            # Lines of a worker that died while cancelling will never report: drop them.
+            unfinished.filter(state=LineState.RUNNING, lease_until__lt=now).update(
+                state=LineState.CANCELLED, finished_at=now, lease_token="")
+            if unfinished.filter(state__in=(LineState.PENDING, LineState.RUNNING)).exists():
+                return False
+            final, stamp = BatchStatus.CANCELLED, "cancelled_at"
+        else:
+            return False
+        Batch.objects.filter(pk=batch_id).update(status=BatchStatus.FINALIZING,
+                                                 finalizing_at=locked.finalizing_at or now)
+    _finalize(batch_id=batch_id, final=final, stamp=stamp)
+    return True
+
+
+def _result_rows(batch: Batch, states: tuple[str, ...]) -> Iterator[bytes]:
+    lines = (BatchLine.objects.filter(batch_id=batch.pk, state__in=states).order_by("line_no")
+             .values_list("line_no", "custom_id", "request_id", "state", "status_code",
+                          "response", "error"))
+    hexid = batch.public_id.removeprefix("batch_")
+    for line_no, custom_id, request_id, state, status_code, response, error in lines.iterator(
+            chunk_size=2000):
+        if state == LineState.EXPIRED:
+            error = {"code": "batch_expired", "message": "This line could not be executed "
+                     "before the completion window expired."}
+        elif state == LineState.CANCELLED:
+            error = {"code": "batch_cancelled", "message": "This line was not executed "
+                     "because the batch was cancelled."}
+        row = {
+            "id": f"batch_req_{hexid}{line_no:06d}", "custom_id": custom_id,
+            "response": ({"status_code": status_code, "request_id": request_id,
+                          "body": response} if status_code else None),
+            "error": error if state != LineState.COMPLETED else None,
+        }
+        yield json.dumps(row, separators=(",", ":")).encode()
+
+
+def _finalize(*, batch_id: int, final: str, stamp: str) -> None:
+    """Meter what completed, write the output and error files, set the final status."""
+    batch_usage_flush(batch_id=batch_id)
+    batch = Batch.objects.select_related("organization").get(pk=batch_id)
+    if batch.status != BatchStatus.FINALIZING:
+        return
+    states = BatchLine.objects.filter(batch_id=batch_id).values_list("state", flat=True)
+    present = set(states.distinct())
+    common = {"org_id": batch.organization_id, "org_public_id": batch.organization.public_id,
+              "project_id": batch.project_id}
+    output = error = None
+    if LineState.COMPLETED in present:
+        output = files.file_write_lines(
+            **common, filename=f"{batch.public_id}_output.jsonl",
+            rows=_result_rows(batch, (LineState.COMPLETED,)))
+    bad = (LineState.FAILED, LineState.EXPIRED, LineState.CANCELLED)
+    if present & set(bad):
+        error = files.file_write_lines(**common, filename=f"{batch.public_id}_error.jsonl",
+                                       rows=_result_rows(batch, bad))
+    counts = dict(BatchLine.objects.filter(batch_id=batch_id).values_list("state")
+                  .annotate(n=Count("id")))
+    updated = Batch.objects.filter(pk=batch_id, status=BatchStatus.FINALIZING).update(
+        status=final, output_file=output, error_file=error,
+        completed=counts.get(LineState.COMPLETED, 0), failed=counts.get(LineState.FAILED, 0),
+        **{stamp: timezone.now()})
+    if not updated:  # another finalizer won the race; drop our copies
+        for file in (output, error):
+            if file is not None:
+                files.file_delete(file=file)
+
+
+def batch_sweep() -> dict[str, int]:
+    """Expire overdue batches, finish cancelling ones, restart batches whose runner died."""
+    from billing_platform.gateway import tasks
+
+    now = timezone.now()
+    report = {"expired": 0, "finalized": 0, "restarted": 0}
+    for batch_id in Batch.objects.filter(status__in=ACTIVE_STATUSES,
+                                         expires_at__lte=now).values_list("id", flat=True):
+        batch_expire(batch_id=batch_id)
+        report["expired"] += 1
+    for batch_id in Batch.objects.filter(
+            status__in=(BatchStatus.CANCELLING, BatchStatus.IN_PROGRESS)).values_list(
+            "id", flat=True):
+        report["finalized"] += batch_finalize_if_done(batch_id=batch_id)
+    stale = now - timedelta(seconds=4 * settings.BATCH_SWEEP_S)
+    for batch_id, status in Batch.objects.filter(
+            Q(heartbeat_at__lt=stale) | Q(heartbeat_at__isnull=True),
+            status__in=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)).values_list(
+            "id", "status"):
+        Batch.objects.filter(pk=batch_id).update(heartbeat_at=now)
+        if status == BatchStatus.VALIDATING:
+            tasks.batch_start.delay(batch_id)
+        else:
+            tasks.batch_run.delay(batch_id)
+        report["restarted"] += 1
+    batch_usage_flush()
+    return report
