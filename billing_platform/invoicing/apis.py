@@ -73,8 +73,10 @@ def upcoming_data(draft: DraftInvoice) -> dict[str, Any]:
     return {
         "object": "upcoming_invoice", "status": "draft", "currency": draft.currency,
         "period_start": draft.target.period_start, "period_end": draft.target.period_end,
-        "subtotal": draft.subtotal, "tax": draft.tax, "credits_applied": draft.credits_applied,
-        "total": draft.total, "amount_due": draft.total,
+        # money as decimal strings, like the stored invoice's serializer (never floats)
+        "subtotal": str(draft.subtotal), "tax": str(draft.tax),
+        "credits_applied": str(draft.credits_applied), "total": str(draft.total),
+        "amount_due": str(draft.total),
         "lines": LineSerializer(draft.lines, many=True).data,
     }
 

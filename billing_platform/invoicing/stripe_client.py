@@ -34,9 +34,8 @@ def customer_create(*, email: str, name: str, org_public_id: str) -> str:
 
 def default_payment_method(customer_id: str) -> str | None:
     """Return the customer's default payment method id, if any."""
-    customer = client().v1.customers.retrieve(customer_id)
-    settings_ = customer.get("invoice_settings") or {}
-    return settings_.get("default_payment_method") or None
+    customer = client().v1.customers.retrieve(customer_id).to_dict()
+    return (customer.get("invoice_settings") or {}).get("default_payment_method") or None
 
 
 def payment_intent_create(*, amount: int, currency: str, customer_id: str, payment_method: str,

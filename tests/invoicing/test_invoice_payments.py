@@ -1,0 +1,195 @@
+"""Stripe through the official library against a real localstripe server over HTTP.
+
+Customer created once, one PaymentIntent even when the charge runs twice, signed webhooks move
+the invoice to paid (a bad signature: 400, nothing changes; a replay: nothing changes), and
+dunning retries a declined card on schedule, emails each time, then suspends the org.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+import stripe
+
+from billing_platform.accounts.choices import OrgStatus
+from billing_platform.invoicing import services, stripe_client
+from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
+from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt, StripeEvent
+from plans import services as plan_services
+from tests.factories import make_billed_org, make_offering
+from tests.invoicing.conftest import NOV, OCT
+
+WEBHOOK_URL = "/stripe/webhook/"
+
+
+@pytest.fixture
+def open_invoice(stripe_settings, catalog, django_capture_on_commit_callbacks):
+    """An org with a 200.00 October invoice (a reservation fee), open and unpaid."""
+    org = make_billed_org(name="Payer")
+    plan_services.reservation_create(organization=org, offering=make_offering(model="m-big"),
+                                     units=2, term="monthly", starts_at=OCT)
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    invoice = Invoice.objects.get(organization=org)
+    assert invoice.status == InvoiceStatus.OPEN and invoice.amount_due == Decimal("200.00")
+    return invoice
+
+
+def _set_default_card(org, pm_alias: str) -> str:
+    account = services.billing_account_ensure_customer(organization=org)
+    client = stripe_client.client()
+    pm = client.v1.payment_methods.attach(pm_alias, {"customer": account.stripe_customer_id})
+    client.v1.customers.update(account.stripe_customer_id,
+                               {"invoice_settings": {"default_payment_method": pm.id}})
+    return account.stripe_customer_id
+
+
+def _signed(payload: str, secret: str = "whsec_tollgate_test") -> str:
+    t = int(time.time())
+    sig = hmac.new(secret.encode(), f"{t}.{payload}".encode(), hashlib.sha256).hexdigest()
+    return f"t={t},v1={sig}"
+
+
+def _event(event_id: str, kind: str, obj: dict) -> str:
+    return json.dumps({"id": event_id, "object": "event", "type": kind, "api_version": None,
+                       "created": int(time.time()), "livemode": False,
+                       "data": {"object": obj}})
+
+
+def test_customer_once_charge_once_and_signed_webhook_marks_paid(open_invoice, client):
+    org = open_invoice.organization
+    customer_id = _set_default_card(org, "pm_card_visa")
+
+    # the customer exists once, however often it is ensured
+    services.billing_account_ensure_customer(organization=org)
+    services.billing_account_ensure_customer(organization=org)
+    assert BillingAccount.objects.get(organization=org).stripe_customer_id == customer_id
+    found = stripe_client.client().v1.customers.list({"email": org.billing_email})
+    assert [c.id for c in found.data] == [customer_id]
+
+    # when the charge task runs twice
+    first = services.invoice_charge(invoice_id=open_invoice.id)
+    second = services.invoice_charge(invoice_id=open_invoice.id)
+
+    # then Stripe charged once, with the idempotency key built from the invoice id
+    assert (first, second) == ("succeeded", "in_progress")
+    (attempt,) = PaymentAttempt.objects.filter(invoice=open_invoice)
+    assert attempt.idempotency_key == f"invoice:{open_invoice.id}:charge:1"
+    charges = stripe_client.client().v1.charges.list({"customer": customer_id})
+    assert len(charges.data) == 1 and charges.data[0].amount == 20000
+    intent = stripe_client.payment_intent_retrieve(attempt.stripe_payment_intent_id)
+    assert intent.status == "succeeded"
+    assert intent.metadata["invoice_id"] == str(open_invoice.id)
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.OPEN  # Stripe's webhook settles it
+
+    body = _event("evt_paid_1", "payment_intent.succeeded", intent.to_dict())
+
+    # a bad signature: 400, nothing changes
+    bad = client.post(WEBHOOK_URL, body, content_type="application/json",
+                      HTTP_STRIPE_SIGNATURE=_signed(body, secret="whsec_wrong"))
+    assert bad.status_code == 400
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.OPEN
+    assert not StripeEvent.objects.filter(verified=True).exists()
+
+    # a signed webhook marks the invoice paid
+    ok = client.post(WEBHOOK_URL, body, content_type="application/json",
+                     HTTP_STRIPE_SIGNATURE=_signed(body))
+    assert ok.status_code == 200, ok.content
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.PAID
+    assert open_invoice.amount_paid == Decimal("200.00")
+    paid_at = open_invoice.paid_at
+
+    # a replay changes nothing
+    again = client.post(WEBHOOK_URL, body, content_type="application/json",
+                        HTTP_STRIPE_SIGNATURE=_signed(body))
+    assert again.status_code == 200 and b"duplicate" in again.content
+    open_invoice.refresh_from_db()
+    assert (open_invoice.status, open_invoice.paid_at) == (InvoiceStatus.PAID, paid_at)
+    assert StripeEvent.objects.filter(stripe_id="evt_paid_1", processed_at__isnull=False
+                                      ).count() == 1
+    # and a charge after payment does nothing
+    assert services.invoice_charge(invoice_id=open_invoice.id) == "not_due"
+    assert len(stripe_client.client().v1.charges.list({"customer": customer_id}).data) == 1
+
+
+def test_no_payment_method_leaves_the_invoice_open(open_invoice):
+    assert services.invoice_charge(invoice_id=open_invoice.id) == "no_payment_method"
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.OPEN
+    assert not PaymentAttempt.objects.exists()
+
+
+def test_network_error_charges_nothing_and_the_retry_reuses_the_key(open_invoice, settings):
+    _set_default_card(open_invoice.organization, "pm_card_visa")
+    good = settings.STRIPE_API_BASE
+    settings.STRIPE_API_BASE = "http://127.0.0.1:9"  # nothing listens: connection refused
+    with pytest.raises(stripe.APIConnectionError):
+        services.invoice_charge(invoice_id=open_invoice.id)
+    assert not PaymentAttempt.objects.exists()
+
+    settings.STRIPE_API_BASE = good
+    assert services.invoice_charge(invoice_id=open_invoice.id) == "succeeded"
+    (attempt,) = PaymentAttempt.objects.all()
+    assert attempt.idempotency_key == f"invoice:{open_invoice.id}:charge:1"
+
+
+def test_dunning_retries_emails_then_uncollectible_and_suspended(
+        open_invoice, mailoutbox, django_capture_on_commit_callbacks, client):
+    org = open_invoice.organization
+    _set_default_card(org, "pm_card_chargeCustomerFail")
+    t0 = NOV + timedelta(hours=2)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.invoice_charge(invoice_id=open_invoice.id, now=t0) == "failed"
+    open_invoice.refresh_from_db()
+    assert open_invoice.next_payment_attempt_at == t0 + timedelta(days=1)
+    assert len(mailoutbox) == 1 and mailoutbox[0].to == [org.billing_email]
+    # a retry before its time does nothing
+    assert services.invoice_charge(invoice_id=open_invoice.id, now=t0) == "not_due"
+
+    when = t0
+    for days in (1, 3, 7):
+        when = when + timedelta(days=days)
+        assert services.invoices_dunning_run(now=when) == [open_invoice.id]
+        with django_capture_on_commit_callbacks(execute=True):
+            assert services.invoice_charge(invoice_id=open_invoice.id, now=when) == "failed"
+
+    open_invoice.refresh_from_db()
+    org.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.UNCOLLECTIBLE
+    assert open_invoice.payment_failures == 4
+    assert PaymentAttempt.objects.filter(status=PaymentStatus.FAILED).count() == 4
+    assert org.status == OrgStatus.SUSPENDED
+    assert len(mailoutbox) == 4 and "suspended" in mailoutbox[-1].subject.lower()
+    assert services.invoices_dunning_run(now=when + timedelta(days=30)) == []
+
+    # paid out of band: the org is active again
+    services.invoice_mark_paid(invoice=open_invoice)
+    org.refresh_from_db()
+    assert org.status == OrgStatus.ACTIVE
+
+
+def test_failed_payment_webhook_starts_dunning_once(open_invoice, client):
+    _set_default_card(open_invoice.organization, "pm_card_visa")
+    services.invoice_charge(invoice_id=open_invoice.id)
+    attempt = PaymentAttempt.objects.get()
+    failed = {"id": attempt.stripe_payment_intent_id, "object": "payment_intent",
+              "status": "requires_payment_method", "amount": 20000,
+              "metadata": {"invoice_id": str(open_invoice.id)},
+              "last_payment_error": {"code": "card_declined", "message": "declined"}}
+    body = _event("evt_failed_1", "payment_intent.payment_failed", failed)
+    for _ in range(2):
+        assert client.post(WEBHOOK_URL, body, content_type="application/json",
+                           HTTP_STRIPE_SIGNATURE=_signed(body)).status_code == 200
+    open_invoice.refresh_from_db()
+    assert open_invoice.payment_failures == 1
+    assert open_invoice.status == InvoiceStatus.OPEN
+    assert open_invoice.next_payment_attempt_at is not None
