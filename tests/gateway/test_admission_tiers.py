@@ -1,0 +1,204 @@
+"""Service tiers at the gateway: flex only from spare capacity, priority downgraded when the pool
+is saturated (and then billed as default), priority scheduled first by the engine — on the
+simulator and on real SGLang (CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from engine_adapter.models import EngineInstance
+from engine_adapter.services import fleet_health_check
+from engine_adapter.sim.testing import free_port, start_sim
+from metering.models import UsageEvent
+from tests.conftest import wait_until
+from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
+from tests.gateway.conftest import drain_usage, register_engine, start_gateway, stop_gateway
+
+
+def _secret() -> str:
+    org = OrganizationFactory()
+    return make_key(project=ProjectFactory(organization=org), scopes=["inference"])[1]
+
+
+def _chat(gateway, secret: str, *, model: str = "busy", **body) -> httpx.Response:
+    payload = {"model": model, "messages": [{"role": "user", "content": uuid.uuid4().hex}],
+               "max_tokens": 5, **body}
+    return httpx.post(f"{gateway.url}/v1/chat/completions", json=payload, timeout=60,
+                      headers={"Authorization": f"Bearer {secret}"})
+
+
+@pytest.fixture
+def busy_gateway(transactional_db, tmp_path, metering_stream):
+    """One engine that runs one request at a time, behind a gateway that calls a pool
+    saturated once the queue is as long as the running batch (factor 1)."""
+    make_price_book(prices=[{"model": "busy", "input": "0.50", "output": "1.50"}])
+    sim = start_sim(served_model_name="busy", max_running_requests=1,
+                    prefill_tokens_per_s=1_000_000, decode_tokens_per_s=50)
+    register_engine(sim, pool="busy-us", region="us-east", zone="us")
+    gateway = start_gateway(tmp_path, env={**metering_stream,
+                                           "TOLLGATE_SATURATION_QUEUE_FACTOR": "1"})
+    gateway.sims = {"busy": sim}
+    yield gateway
+    stop_gateway(gateway)
+    sim.stop()
+
+
+def _scrape_until(predicate, what: str) -> None:
+    def scraped():
+        fleet_health_check(restart=False)
+        load = EngineInstance.objects.get(pool__name="busy-us").load
+        return predicate(load)
+
+    wait_until(scraped, timeout=15, what=what)
+    time.sleep(0.5)  # let the gateway's fleet view (refreshed every 0.2 s) pick it up
+
+
+def test_flex_is_refused_while_saturated_priority_is_downgraded_and_flex_runs_when_idle(
+        busy_gateway):
+    secret = _secret()
+    # given three default requests: one running, two queued
+    threads = [threading.Thread(target=_chat, args=(busy_gateway, secret),
+                                kwargs={"max_tokens": 60}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    _scrape_until(lambda load: load.get("queued", 0) >= 2, "the engine to queue requests")
+
+    # when a flex request arrives, then it is refused, not served and not billed
+    flex = _chat(busy_gateway, secret, service_tier="flex")
+    assert flex.status_code == 429
+    assert flex.json()["error"]["code"] == "resource_unavailable"
+    assert "retry-after" in flex.headers
+    # and a priority request is served, but as (and billed as) default
+    prio = _chat(busy_gateway, secret, service_tier="priority")
+    assert prio.status_code == 200
+    assert prio.json()["service_tier"] == "default"
+
+    for t in threads:
+        t.join(timeout=60)
+    _scrape_until(lambda load: load.get("queued", 1) == 0 and load.get("running", 1) == 0,
+                  "the engine to go idle")
+    # when the engine is idle, flex is admitted and served as flex
+    served = _chat(busy_gateway, secret, service_tier="flex")
+    assert served.status_code == 200, served.text
+    assert served.json()["service_tier"] == "flex"
+
+    def events():
+        drain_usage()
+        return UsageEvent.objects.filter(request_id__in=[
+            prio.headers["x-request-id"], served.headers["x-request-id"]]).count() == 2
+
+    wait_until(events, timeout=10, what="events ingested")
+    assert not UsageEvent.objects.filter(request_id=flex.headers["x-request-id"]).exists()
+    assert UsageEvent.objects.get(request_id=prio.headers["x-request-id"]).service_tier == (
+        "default")
+    flex_event = UsageEvent.objects.get(request_id=served.headers["x-request-id"])
+    assert flex_event.service_tier == "flex"
+
+
+def _finish_order(gateway, secret: str, *, model: str, path: str, load, running, queued,
+                  long_tokens: int, extra: dict) -> list[str]:
+    finished: list[str] = []
+    errors: list[str] = []
+
+    def send(name: str, tier: str, max_tokens: int) -> threading.Thread:
+        def run() -> None:
+            body = {"model": model, "max_tokens": max_tokens, "service_tier": tier, **extra}
+            if path.endswith("chat/completions"):
+                body["messages"] = [{"role": "user", "content": f"{name} {uuid.uuid4().hex}"}]
+            else:
+                body["prompt"] = f"{name} {uuid.uuid4().hex}"
+            r = httpx.post(f"{gateway.url}{path}", json=body, timeout=300,
+                           headers={"Authorization": f"Bearer {secret}"})
+            if r.status_code != 200:
+                errors.append(f"{name}: {r.status_code} {r.text}")
+            else:
+                finished.append(name)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    threads = [send("long", "default", long_tokens)]
+    wait_until(lambda: running(load()) == 1, timeout=60, what="the long request to run")
+    threads.append(send("low", "default", 4))
+    wait_until(lambda: queued(load()) == 1, timeout=60, what="the default request to queue")
+    threads.append(send("high", "priority", 4))
+    wait_until(lambda: queued(load()) == 2, timeout=60, what="the priority request to queue")
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return finished
+
+
+def test_priority_finishes_ahead_of_default_on_a_saturated_simulated_engine(busy_gateway):
+    sim = busy_gateway.sims["busy"]
+    order = _finish_order(
+        busy_gateway, _secret(), model="busy", path="/v1/chat/completions",
+        load=lambda: httpx.get(f"{sim.base_url}/sim/stats").json(),
+        running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=100,
+        extra={})
+    assert order.index("high") < order.index("low"), order
+
+
+def _real_sglang_ready() -> bool:
+    from engine_adapter.sglang_cpu import is_ready
+
+    return is_ready()
+
+
+@pytest.mark.skipif(not _real_sglang_ready(), reason=(
+    "the SGLang CPU environment is not set up (engine_adapter.sglang_cpu.is_ready() is "
+    "False); run `python -m engine_adapter.sglang_cpu setup` first"))
+def test_priority_finishes_ahead_of_default_on_a_saturated_real_sglang_engine(
+        transactional_db, tmp_path, metering_stream):
+    from engine_adapter.sglang_cpu import launch_spec, resolve_paths, wait_healthy
+
+    # given real SGLang running one request at a time, behind the gateway
+    port = free_port()
+    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
+                            served_model_name="tiny-llama",
+                            extra_args=("--max-running-requests", "1"))
+    log_path = Path(tmp_path) / "sglang.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    gateway = None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, timeout=180, is_alive=lambda: server.poll() is None)
+        make_price_book(prices=[{"model": "tiny-llama", "input": "0.50", "output": "1.50"}])
+        register_engine(SimpleNamespace(model="tiny-llama", base_url=base), pool="tiny-us",
+                        region="us-east", zone="us")
+        gateway = start_gateway(tmp_path, env=metering_stream)
+
+        # when a default request runs, another default one queues, then a priority one
+        def loads() -> dict:
+            return httpx.get(f"{base}/v1/loads", timeout=10).json()["loads"][0]
+
+        order = _finish_order(
+            gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
+            running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
+            long_tokens=600, extra={"ignore_eos": True})
+        # then the priority request (SGLang priority 10 vs 0) is served first
+        assert order.index("high") < order.index("low"), order
+    finally:
+        if gateway is not None:
+            stop_gateway(gateway)
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
