@@ -35,6 +35,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 from engine_adapter.sim.testing import free_port, start_sim
 
 LITELLM = ROOT / ".tollgate" / "litellm-venv" / "bin" / "litellm"
+LITELLM_KEY = "sk-bench-" + os.urandom(16).hex()
 
 
 def log(msg: str) -> None:
@@ -99,6 +100,9 @@ def setup_platform(sim_url: str) -> str:
     import django
 
     django.setup()
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from django.core.management import call_command
 
     from billing_platform.accounts import services
@@ -126,9 +130,11 @@ def start_litellm(sim_url: str) -> tuple[subprocess.Popen | None, str | None]:
         log(f"LiteLLM not installed at {LITELLM}; skipping that column")
         return None, None
     cfg = Path(tempfile.mkdtemp()) / "litellm.yaml"
+    # LiteLLM refuses to start without a master key; it authenticates like we do.
     cfg.write_text(f"model_list:\n  - model_name: bench\n    litellm_params:\n"
                    f"      model: openai/bench\n      api_base: {sim_url}/v1\n"
-                   f"      api_key: none\n")
+                   f"      api_key: none\ngeneral_settings:\n"
+                   f"  master_key: {LITELLM_KEY}\n")
     port = free_port()
     proc = subprocess.Popen([str(LITELLM), "--config", str(cfg), "--port", str(port),
                              "--host", "127.0.0.1", "--num_workers", "1"],
@@ -174,7 +180,8 @@ def main() -> None:
         targets = {"direct": (f"{sim.base_url}/v1/chat/completions", {}),
                    "gateway": (f"{gw}/v1/chat/completions", auth)}
         if litellm_url:
-            targets["litellm"] = (f"{litellm_url}/v1/chat/completions", {})
+            targets["litellm"] = (f"{litellm_url}/v1/chat/completions",
+                                  {"Authorization": f"Bearer {LITELLM_KEY}"})
         lat = {}
         for name, (url, headers) in targets.items():
             for stream in (True, False):

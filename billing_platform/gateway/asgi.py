@@ -1,0 +1,118 @@
+"""A lean ASGI route for /v1, mounted beside Django (see billing_platform/asgi.py for why).
+
+It does what Django's ASGIHandler does for our views, minus the parts that cost a thread per
+request (a thread-sensitive context, sync signal receivers, sync ``response.close``) and the
+sync-style middleware: read the body (413 above the limit), build Django's ``ASGIRequest``,
+resolve the URL, await the async view, send the response, and cancel the response task when the
+client disconnects (so a stream is aborted at the engine and metered as ``client_aborted``).
+Requests and latencies are exported to Prometheus here, since no middleware sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from typing import Any
+
+from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.http import HttpResponseBase
+from django.urls import Resolver404, get_resolver
+from prometheus_client import Counter, Histogram
+
+from billing_platform.gateway.errors import GatewayError
+
+log = logging.getLogger(__name__)
+
+REQUESTS = Counter("tollgate_gateway_requests_total", "Requests served by /v1.",
+                   ["endpoint", "status"])
+LATENCY = Histogram("tollgate_gateway_response_start_seconds",
+                    "Time from request to response headers on /v1.", ["endpoint"],
+                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                             5, 10, 30))
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _read_body(receive: Any, limit: int) -> bytes | None:
+    """Return the body, or None if it exceeds ``limit``; raise _Disconnected."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send_response(response: HttpResponseBase, send: Any) -> None:
+    headers = [(k.encode("ascii"), v.encode("latin1")) for k, v in response.items()]
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": headers})
+    if response.streaming:
+        async with contextlib.aclosing(aiter(response)) as content:
+            async for part in content:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body"})
+    else:
+        await send({"type": "http.response.body", "body": response.content})
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class GatewayASGI:
+    """ASGI app serving Django's /v1 views directly."""
+
+    def __init__(self) -> None:
+        self.resolver = get_resolver()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        t0 = time.perf_counter()
+        limit = settings.GATEWAY_MAX_BODY_BYTES
+        try:
+            body = await _read_body(receive, limit)
+        except _Disconnected:
+            return
+        if body is None:
+            error = GatewayError(413, f"Request body exceeds the limit of {limit} bytes.",
+                                 code="request_too_large")
+            await _send_response(error.response(), send)
+            return
+        request = ASGIRequest(scope, io.BytesIO(body))
+        try:
+            match = self.resolver.resolve(request.path_info)
+        except Resolver404:
+            response = GatewayError(404, f"Unknown endpoint {request.path_info}.",
+                                    code="unknown_url").response()
+            endpoint = "unknown"
+        else:
+            endpoint = match.url_name or "unknown"
+            try:
+                response = await match.func(request, *match.args, **match.kwargs)
+            except Exception:
+                log.exception("unhandled error in %s", request.path_info)
+                response = GatewayError(500, "The server had an error while processing your "
+                                             "request.", code="internal_error").response()
+        LATENCY.labels(endpoint).observe(time.perf_counter() - t0)
+        REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        sender = asyncio.create_task(_send_response(response, send))
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (watcher, sender):
+            if not task.done():
+                task.cancel()  # a disconnect cancels the stream: the engine call is aborted
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await task
