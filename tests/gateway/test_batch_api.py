@@ -61,8 +61,7 @@ def start_stack(tmp_path, env: dict[str, str], sims: list[SimProcess]) -> BatchS
     return BatchStack(start_gateway(tmp_path, env=env), sims, env)
 
 
-@pytest.fixture
-def stack(transactional_db, tmp_path, settings, metering_stream) -> Iterator[BatchStack]:
+def fast_stack(tmp_path, settings, metering_stream) -> Iterator[BatchStack]:
     """Two fast simulated engines of ``small`` behind a live gateway (no worker yet)."""
     sims = [start_sim(served_model_name=MODEL, **FAST_RATES) for _ in range(2)]
     stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream), sims)
@@ -70,6 +69,11 @@ def stack(transactional_db, tmp_path, settings, metering_stream) -> Iterator[Bat
     stop_gateway(stack.gateway)
     for sim in sims:
         sim.stop()
+
+
+@pytest.fixture
+def stack(transactional_db, tmp_path, settings, metering_stream) -> Iterator[BatchStack]:
+    yield from fast_stack(tmp_path, settings, metering_stream)
 
 
 def request_line(i: int, *, model: str = MODEL, max_tokens: int = 4, url=None,
