@@ -32,6 +32,10 @@ app.conf.beat_schedule = {
         "task": "batch.sweep",
         "schedule": env.BATCH_SWEEP_S,
     },
+    "budget-sweep": {
+        "task": "plans.budget_sweep",
+        "schedule": float(os.environ.get("TOLLGATE_BUDGET_SWEEP_S", "60")),
+    },
     "fleet-health-check": {
         "task": "fleet.health_check",
         "schedule": float(os.environ.get("TOLLGATE_FLEET_HEALTH_S", "5")),

@@ -56,8 +56,8 @@ for _, id in ipairs(expired) do
   local v = redis.call('HGET', KEYS[2], id)
   if v then
     for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-      if redis.call('EXISTS', key) == 1 then
-        redis.call('HINCRBY', key, 'reserved', -tonumber(amt))
+      if amt ~= '0' and redis.call('EXISTS', key) == 1 then
+        redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
       end
     end
     redis.call('HDEL', KEYS[2], id)
@@ -172,8 +172,8 @@ local n_bud, n_tpm, n_prov = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV
 local v = redis.call('HGET', KEYS[2], rid)
 if v then
   for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-    if redis.call('EXISTS', key) == 1 then
-      redis.call('HINCRBY', key, 'reserved', -tonumber(amt))
+    if amt ~= '0' and redis.call('EXISTS', key) == 1 then
+      redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
     end
   end
   redis.call('HDEL', KEYS[2], rid)
@@ -207,8 +207,8 @@ for _, id in ipairs(expired) do
   local v = redis.call('HGET', KEYS[2], id)
   if v then
     for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-      if redis.call('EXISTS', key) == 1 then
-        redis.call('HINCRBY', key, 'reserved', -tonumber(amt))
+      if amt ~= '0' and redis.call('EXISTS', key) == 1 then
+        redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
       end
     end
     redis.call('HDEL', KEYS[2], id)

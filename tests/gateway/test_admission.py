@@ -153,6 +153,11 @@ def test_200_concurrent_requests_never_exceed_a_hard_budget(two_gateways):
     assert not UsageEvent.objects.filter(
         request_id__in=[r.headers["x-request-id"] for r in responses if r.status_code == 429]
     ).exists()  # refused requests are never metered
+    # and every admitted request settled: nothing is left reserved
+    from billing_platform.redis_conn import get_redis
+
+    assert get_redis().hlen(admission.reservations_keys(org.id)[1]) == 0
+    assert all("settlement" not in g.log() for g in two_gateways)
 
 
 @pytest.mark.parametrize("two_gateways", [{"TOLLGATE_RESERVATION_TTL_S": "3"}],
