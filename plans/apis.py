@@ -8,23 +8,35 @@ organization first, so a non-member gets 404 whatever the method; members read, 
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
+from rest_framework import serializers as drf_serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing_platform.accounts.apis import OrgScopedView
 from billing_platform.accounts.choices import Role
-from billing_platform.accounts.models import Organization
+from billing_platform.accounts.models import ApiKey, Organization
 from billing_platform.accounts.selectors import OrgAccess, org_access
 from billing_platform.errors import InvalidRequest, NotFound
-from plans import selectors, services
+from plans import quotas, selectors, services
 from plans import serializers as s
-from plans.models import CreditPack, Plan, PriceBook, PriceVersion, Reservation, Subscription
+from plans.models import (
+    Budget,
+    CreditPack,
+    Plan,
+    PriceBook,
+    PriceVersion,
+    QuotaAuditEvent,
+    QuotaLimit,
+    Reservation,
+    Subscription,
+)
 from plans.rating import quote
 
 STAFF = "staff"
@@ -371,3 +383,177 @@ class QuoteApi(APIView):
             return org
         return org_access(user=request.user, principal=None,
                           org_public_id=org_public_id).organization
+
+
+# --- quotas: limits, budgets, audit ------------------------------------------------------------
+
+class LimitsSerializer(drf_serializers.Serializer):
+    usage_tier = drf_serializers.CharField(required=False, allow_blank=True, default="")
+    rpm = drf_serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                       default=None)
+    tpm = drf_serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                       default=None)
+    allowed_regions = drf_serializers.ListField(child=drf_serializers.CharField(max_length=40),
+                                                required=False, default=list)
+
+
+class BudgetWriteSerializer(drf_serializers.Serializer):
+    amount = drf_serializers.DecimalField(max_digits=30, decimal_places=10,
+                                          min_value=Decimal("0.0000000001"))
+    hard = drf_serializers.BooleanField(default=True)
+    thresholds = drf_serializers.ListField(child=drf_serializers.IntegerField(min_value=1,
+                                                                              max_value=1000),
+                                           required=False)
+    alert_emails = drf_serializers.ListField(child=drf_serializers.EmailField(),
+                                             required=False, default=list)
+    webhook_url = drf_serializers.URLField(required=False, allow_blank=True, default="")
+
+
+def _limits_data(row: Any) -> dict[str, Any]:
+    return {"object": "quota.limits", "scope": row.scope,
+            "project": row.project.public_id if row.project_id else None,
+            "api_key": row.api_key.public_id if row.api_key_id else None,
+            "usage_tier": row.usage_tier or None, "rpm": row.rpm, "tpm": row.tpm,
+            "allowed_regions": row.allowed_regions}
+
+
+def _budget_data(budget: Any, *, with_secret: bool) -> dict[str, Any]:
+    state = quotas.budget_state(budget=budget)
+    data = {"object": "budget", "id": budget.public_id,
+            "scope": "project" if budget.project_id else "organization",
+            "project": budget.project.public_id if budget.project_id else None,
+            "amount": str(budget.amount), "currency": budget.currency, "hard": budget.hard,
+            "thresholds": budget.thresholds, "alert_emails": budget.alert_emails,
+            "webhook_url": budget.webhook_url or None,
+            "suspended": budget.suspended_at is not None,
+            "period_start": state.period_start.isoformat(),
+            "spend": str(state.live_spend), "reserved": str(state.reserved),
+            "percent_used": str(state.percent)}
+    if with_secret:
+        data["webhook_secret"] = budget.webhook_secret
+    return data
+
+
+class OrgLimitsApi(OrgScopedView):
+    """GET the effective org limits and every project/key override; PUT the org's own."""
+
+    permission_for = {"GET": "read", "PUT": "org.write"}
+
+    @extend_schema(responses=LimitsSerializer)
+    def get(self, request: Request, org_id: str) -> Response:
+        rows = quotas.limits_rows_of(organization=self.org)
+        org_row = next((r for r in rows if r.scope == "organization"), None)
+        tier = (org_row.usage_tier if org_row and org_row.usage_tier
+                else quotas.DEFAULT_USAGE_TIER)
+        rpm, tpm = quotas.USAGE_TIERS[tier]
+        effective = {"usage_tier": tier,
+                     "rpm": org_row.rpm if org_row and org_row.rpm is not None else rpm,
+                     "tpm": org_row.tpm if org_row and org_row.tpm is not None else tpm}
+        return Response({"object": "quota.limits_overview", "effective": effective,
+                         "usage_tiers": {k: {"rpm": v[0], "tpm": v[1]}
+                                         for k, v in quotas.USAGE_TIERS.items()},
+                         "data": [_limits_data(r) for r in rows]})
+
+    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    def put(self, request: Request, org_id: str) -> Response:
+        body = LimitsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        row = quotas.quota_limit_set(organization=self.org, actor=request.user,
+                                     **body.validated_data)
+        return Response(_limits_data(row))
+
+
+class ProjectLimitsApi(OrgScopedView):
+    permission_for = {"PUT": "projects.write", "DELETE": "projects.write"}
+
+    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    def put(self, request: Request, org_id: str, project_id: str) -> Response:
+        body = LimitsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if body.validated_data.get("usage_tier"):
+            raise InvalidRequest("A usage tier is set on the organization only.",
+                                 param="usage_tier")
+        body.validated_data.pop("usage_tier", None)
+        row = quotas.quota_limit_set(organization=self.org, project=self.project(project_id),
+                                     actor=request.user, **body.validated_data)
+        return Response(_limits_data(row))
+
+    def delete(self, request: Request, org_id: str, project_id: str) -> Response:
+        QuotaLimit.objects.filter(project=self.project(project_id),
+                                  api_key__isnull=True).delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class KeyLimitsApi(OrgScopedView):
+    permission_for = {"PUT": "keys.write", "DELETE": "keys.write"}
+
+    def key(self, project_id: str, key_id: str) -> ApiKey:
+        return get_object_or_404(ApiKey, project=self.project(project_id), public_id=key_id)
+
+    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    def put(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
+        body = LimitsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if body.validated_data.pop("usage_tier", None):
+            raise InvalidRequest("A usage tier is set on the organization only.",
+                                 param="usage_tier")
+        row = quotas.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
+                                     actor=request.user, **body.validated_data)
+        return Response(_limits_data(row))
+
+    def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
+        QuotaLimit.objects.filter(api_key=self.key(project_id, key_id)).delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class BudgetApi(OrgScopedView):
+    """The org's budget (no ``project_id``) or a project's: GET, PUT (create/replace), DELETE."""
+
+    permission_for = {"GET": "read", "PUT": "org.write", "DELETE": "org.write"}
+
+    def _project(self, project_id: str | None) -> Any:
+        return self.project(project_id) if project_id else None
+
+    def _budget(self, project_id: str | None) -> Budget:
+        budget = Budget.objects.select_related("project").filter(
+            organization=self.org, project=self._project(project_id)).first()
+        if budget is None:
+            raise NotFound("No budget is set here.")
+        return budget
+
+    @extend_schema(responses=BudgetWriteSerializer)
+    def get(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
+        return Response(_budget_data(self._budget(project_id),
+                                     with_secret=self.access.can("org.write")))
+
+    @extend_schema(request=BudgetWriteSerializer, responses=BudgetWriteSerializer)
+    def put(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
+        body = BudgetWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        budget = quotas.budget_set(organization=self.org, project=self._project(project_id),
+                                   actor=request.user, **body.validated_data)
+        return Response(_budget_data(budget, with_secret=True))
+
+    def delete(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
+        quotas.budget_delete(budget=self._budget(project_id), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class QuotaAuditApi(OrgScopedView):
+    permission_for = {"GET": "read"}
+
+    def get(self, request: Request, org_id: str) -> Response:
+        rows = QuotaAuditEvent.objects.filter(organization=self.org).order_by("-created_at")[:200]
+        return Response({"object": "list", "data": [
+            {"action": r.action, "subject": r.subject, "details": r.details,
+             "created_at": r.created_at.isoformat()} for r in rows]})
+
+
+class ResidencyAuditApi(APIView):
+    """Staff only: usage events that ran outside their organization's data zone (expect none)."""
+
+    def get(self, request: Request) -> Response:
+        if not is_staff(request.user):
+            raise exceptions.PermissionDenied("Only Tollgate staff can read this.")
+        rows = quotas.usage_events_outside_zone()
+        return Response({"object": "list", "data": rows})

@@ -426,3 +426,25 @@ def budget_sweep() -> dict[str, Any]:
     for budget in Budget.objects.select_related("organization", "project"):
         results[budget.public_id] = budget_reconcile(budget=budget)
     return results
+
+
+def usage_events_outside_zone(*, limit: int = 1000) -> list[dict[str, Any]]:
+    """Return usage events that ran in a region outside their org's data zone (expect none).
+
+    A region belongs to a zone through the fleet's pools; an event of a non-global org whose
+    region is not among its zone's regions is a residency violation.
+    """
+    from engine_adapter.models import Pool
+    from metering.models import UsageEvent
+
+    zone_regions: dict[str, set[str]] = {}
+    for zone, region in Pool.objects.values_list("zone", "region").distinct():
+        zone_regions.setdefault(zone, set()).add(region)
+    out: list[dict[str, Any]] = []
+    for zone in (set(zone_regions) | {"us", "eu"}) - {"global"}:
+        rows = (UsageEvent.objects.filter(organization__data_zone=zone)
+                .exclude(region__in=zone_regions.get(zone, set())).exclude(region="")
+                .values("request_id", "organization_id", "region", "event_time")[:limit])
+        out += [{**r, "data_zone": zone, "event_time": r["event_time"].isoformat()}
+                for r in rows]
+    return out
