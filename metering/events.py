@@ -39,7 +39,7 @@ class UsageEventData:
     org_id: int
     project_id: int
     model: str
-    region: str
+    region: str  # the engine's region; "" when no engine was reached
     event_time: datetime  # aware; stored in UTC
     api_key_id: int | None = None
     data_zone: str = ""  # the org's zone; filled from the org when empty
@@ -64,7 +64,7 @@ class UsageEventData:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(UsageEventData))
-_REQUIRED = ("request_id", "org_id", "project_id", "model", "region", "event_time")
+_REQUIRED = ("request_id", "org_id", "project_id", "model", "event_time")
 
 
 def _int(value: Any, name: str, *, upper: int = MAX_TOKENS, null: bool = False) -> int | None:
@@ -160,7 +160,8 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
         project_id=_int(get("project_id"), "project_id", upper=2**63 - 1),  # type: ignore[arg-type]
         api_key_id=_int(api_key_id, "api_key_id", upper=2**63 - 1, null=True),
         model=_text(get("model"), "model"),
-        region=_text(get("region"), "region", max_length=64),
+        # empty when the request failed before an engine was chosen
+        region=_text(get("region") or "", "region", max_length=64, blank=True),
         data_zone=_text(get("data_zone") or "", "data_zone", max_length=16, blank=True),
         engine=_text(get("engine") or "", "engine", blank=True),
         service_tier=tier,

@@ -48,7 +48,7 @@ class UsageEvent(models.Model):
     project = _fk(Project)
     api_key = _fk(ApiKey, null=True, blank=True)
     model = models.CharField(max_length=200)
-    region = models.CharField(max_length=64)
+    region = models.CharField(max_length=64, blank=True, help_text="Empty: no engine reached.")
     data_zone = models.CharField(max_length=16)
     engine = models.CharField(max_length=200, blank=True, default="")
     service_tier = models.CharField(max_length=16, choices=ServiceTier.choices)
@@ -95,7 +95,8 @@ class UsageEventId(models.Model):
 
     pk = models.CompositePrimaryKey("organization_id", "request_id")
     organization_id = models.BigIntegerField()
-    request_id = models.CharField(max_length=128)
+    # byte order: ids are opaque, and the key is compared on every insert of every event
+    request_id = models.CharField(max_length=128, db_collation="C")
     event_time = models.DateTimeField(help_text="Locates the event's partition.")
 
     class Meta:

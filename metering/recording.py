@@ -53,9 +53,13 @@ log = logging.getLogger(__name__)
 
 Key = tuple[int, str]
 
+# Keys go in in index order: neighbouring keys share leaf pages, and concurrent writers that
+# meet on the same (duplicate) keys lock them in the same order.
 CLAIM_KEYS = """
 INSERT INTO usage_event_id (organization_id, request_id, event_time)
 SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[]::timestamptz[])
+    AS k (organization_id, request_id, event_time)
+ORDER BY organization_id, request_id COLLATE "C"
 ON CONFLICT DO NOTHING
 RETURNING organization_id, request_id
 """
@@ -65,6 +69,8 @@ CLAIM_KEYS_JOINED = """
 INSERT INTO usage_event_id (organization_id, request_id, event_time)
 SELECT * FROM unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, E'\\t'),
                      string_to_array(%s, ',')::timestamptz[])
+    AS k (organization_id, request_id, event_time)
+ORDER BY organization_id, request_id COLLATE "C"
 ON CONFLICT DO NOTHING
 RETURNING organization_id, request_id
 """
@@ -101,7 +107,6 @@ ON CONFLICT ON CONSTRAINT usage_rollup_hourly_key DO UPDATE SET
 TRANSIENT = (OperationalError, InterfaceError, ProgrammingError, NotImplementedError)
 RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
 _N = "\\N"
-_JSON_KEYS: dict[str, str] = {}
 
 
 @dataclass
@@ -156,14 +161,19 @@ def _rate(rows: Sequence[Row]) -> list:
     return ratings
 
 
+_BREAKDOWN_TEMPLATES: dict[tuple[str, ...], str] = {}
+
+
 def _breakdown_json(breakdown: dict[str, Decimal]) -> str:
-    parts = []
-    for k, v in breakdown.items():
-        jk = _JSON_KEYS.get(k)
-        if jk is None:
-            jk = _JSON_KEYS.setdefault(k, json.dumps(k))
-        parts.append(f'{jk}:"{v}"')
-    return "{" + ",".join(parts) + "}"
+    """Return ``{"class": "amount", ...}``: one cached %-template per set of token classes."""
+    classes = tuple(breakdown)
+    template = _BREAKDOWN_TEMPLATES.get(classes)
+    if template is None:
+        # json.dumps escapes the class names; '%' is doubled so the template stays a template
+        template = "{" + ",".join(f'{json.dumps(c).replace("%", "%%")}:"%s"'
+                                  for c in classes) + "}"
+        _BREAKDOWN_TEMPLATES[classes] = template
+    return template % tuple(breakdown.values())
 
 
 class _Rollups:

@@ -28,8 +28,9 @@ def test_appended_events_are_recorded_once_by_the_consumer(tenant):
     paths += [services.usage_event_append(tenant.event(f"req-{i}")) for i in range(50)]
     assert set(paths) == {"redis"}
 
-    # when the consumer drains the stream
-    ingestor = Ingestor(batch_size=128, block_ms=100)
+    # when the consumer drains the stream (one writer: a second one would have a connection of
+    # its own, outside this test's transaction)
+    ingestor = Ingestor(batch_size=128, block_ms=100, writers=1)
     stats = ingestor.run(drain=True)
 
     # then each request is one row, the rollups count 300 requests, nothing is left pending

@@ -41,16 +41,15 @@ def test_consumer_killed_mid_batch_records_every_event_exactly_once(
     for i in range(n):
         assert services.usage_event_append(tenant.event(f"req-{i}")) == "redis"
 
-    # when a consumer is SIGKILLed in its second batch of 500: with the batch written but not
-    # committed, or committed but not acknowledged on the stream
+    # when a consumer (two writers) is SIGKILLed in a batch of 500: with the batch written
+    # but not committed, or committed but not acknowledged on the stream
     first = manage("ingest_usage", "--batch-size", "500", "--claim-idle-ms", "1000",
                    env=metering_env(settings, TOLLGATE_INGEST_STALL_AT=f"{point}:2"))
     _wait_for_line(_lines(first), "STALLED", timeout=60)
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=20)
 
-    committed = UsageEvent.objects.count()
-    assert committed == (500 if point == "before_commit" else 1000)
+    assert UsageEvent.objects.count() < n
     r = stream.client()
     assert r.xpending(conf.stream_key(), conf.consumer_group())["pending"] >= 500
 
@@ -65,7 +64,15 @@ def test_consumer_killed_mid_batch_records_every_event_exactly_once(
     assert len(ids) == len(set(ids)) == n
     assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == n
     assert r.xpending(conf.stream_key(), conf.consumer_group())["pending"] == 0
-    # the dead consumer's entries were reclaimed; those it had committed came back duplicates
-    assert "reclaimed" in out
+    # the dead consumer's entries were reclaimed; the batch it had committed came back as
+    # duplicates (the other writer may have committed one more before the kill)
+    stats = _stats(out)
+    assert stats["reclaimed"] >= 500
     if point == "after_commit":
-        assert " 500 duplicates" in out
+        assert stats["duplicates"] >= 500
+
+
+def _stats(out: str) -> dict[str, int]:
+    line = next(x for x in out.splitlines() if " batches, " in x)
+    parts = line.split(": ", 1)[1].split(", ")
+    return {p.split(" ", 1)[1].replace("-", "_"): int(p.split(" ", 1)[0]) for p in parts}

@@ -99,6 +99,18 @@ def test_events_are_rated_with_the_price_book_in_force(tenant):
     assert stored.data_zone == tenant.org.data_zone
 
 
+def test_an_engine_error_before_any_engine_is_recorded_with_zero_tokens(tenant):
+    # given the gateway's event of a request that failed before an engine was chosen
+    event = tenant.event("req-failed", region="", engine="", status="engine_error",
+                         prompt_tokens=0, cached_tokens=0, completion_tokens=0)
+
+    services.usage_events_record([events.normalize(event)], origin="test")
+
+    stored = UsageEvent.objects.get(request_id="req-failed")
+    assert (stored.status, stored.region, stored.amount) == ("engine_error", "", Decimal("0"))
+    assert UsageRollupHourly.objects.get().error_requests == 1
+
+
 def test_a_duplicate_inside_one_batch_is_recorded_once(tenant):
     event = events.normalize(tenant.event("req-twice"))
 

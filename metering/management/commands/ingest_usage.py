@@ -25,6 +25,8 @@ class Command(BaseCommand):
         parser.add_argument("--claim-idle-ms", type=int, default=None,
                             help="reclaim entries unacknowledged this long "
                                  f"(default {conf.claim_idle_ms()})")
+        parser.add_argument("--writers", type=int, default=2,
+                            help="batches recorded concurrently, each on its own connection")
         parser.add_argument("--name", default=None, help="consumer name (default host-pid)")
         parser.add_argument("--drain", action="store_true",
                             help="exit once the stream has nothing new and nothing pending")
@@ -33,6 +35,7 @@ class Command(BaseCommand):
         ingestor = Ingestor(
             name=options["name"], batch_size=options["batch_size"],
             block_ms=options["block_ms"], claim_idle_ms=options["claim_idle_ms"],
+            writers=options["writers"],
         )
 
         def on_signal(signum: int, frame: object) -> None:
