@@ -1,0 +1,207 @@
+"""Batch interference benchmark: interactive TTFT through the gateway with and without a large
+batch running on the same simulated engines, in one run on one machine.
+
+Prints one JSON line with ``ttft_p50_ratio`` and ``ttft_p99_ratio`` (with batch / without;
+goal: both at most 1.10) and how many batch lines ran while the "with" phase was measured.
+
+    .venv/bin/python bench/batch_interference.py [--requests 400] [--concurrency 4]
+
+Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
+``./tollgate services``). The Celery worker runs at OS niceness 10, as a background batch
+worker would on a machine it shared with the gateway; on a real deployment it runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+
+from engine_adapter.sim.testing import free_port, start_sim  # noqa: E402
+
+MODEL = "bench-batch"
+
+
+def log(msg: str) -> None:
+    print(f"[batch-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def ttfts(url: str, secret: str, *, requests: int, concurrency: int) -> list[float]:
+    """Send ``requests`` streaming chats, ``concurrency`` at a time; return TTFTs in ms."""
+    headers = {"Authorization": f"Bearer {secret}"}
+    out: list[float] = []
+    counter = iter(range(requests))
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for n in counter:
+            body = {"model": MODEL, "max_tokens": 16, "stream": True,
+                    "messages": [{"role": "user", "content": f"Interactive {n}: hello"}]}
+            t0 = time.perf_counter()
+            ttft = None
+            async with http.stream("POST", url, json=body, headers=headers) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if ttft is None and line.startswith("data: {") and '"content"' in line:
+                        ttft = time.perf_counter() - t0
+            out.append((ttft or 0) * 1000)
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return out
+
+
+def setup_platform(sims) -> str:
+    """Migrate, create an org with a batch-capable key, register the engines; return the key."""
+    import django
+
+    django.setup()
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from django.core.management import call_command
+
+    from billing_platform.accounts import services
+    from billing_platform.accounts.models import User
+    from engine_adapter.choices import EngineStatus, Launch
+    from engine_adapter.models import EngineInstance, Pool
+
+    call_command("migrate", "--noinput", verbosity=0)
+    EngineInstance.objects.filter(pool__model=MODEL).delete()
+    Pool.objects.filter(model=MODEL).delete()
+    for i, sim in enumerate(sims):
+        pool = Pool.objects.create(name=f"{MODEL}-{i}", model=MODEL, region="us-east",
+                                   zone="us", launch=Launch.EXTERNAL,
+                                   external_urls=[sim.base_url])
+        EngineInstance.objects.create(pool=pool, replica=0, engine_id=f"{MODEL}-{i}-0",
+                                      url=sim.base_url, status=EngineStatus.HEALTHY)
+    user = User.objects.filter(email="batch-bench@tollgate.local").first() or \
+        User.objects.create_user(email="batch-bench@tollgate.local", password=None)
+    org = services.organization_create(name=f"Batch bench {uuid.uuid4().hex[:6]}", owner=user)
+    _key, secret = services.api_key_create(project=org.projects.get(), name="bench",
+                                           scopes=["inference", "batch"])
+    return secret
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--lines", type=int, default=20_000)
+    p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
+    p.add_argument("--max-running", type=int, default=16)
+    args = p.parse_args()
+
+    import openai
+
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    sims = [start_sim(served_model_name=MODEL, max_running_requests=args.max_running,
+                      prefill_tokens_per_s=200_000,
+                      decode_tokens_per_s=args.decode_tokens_per_s)
+            for _ in range(2)]
+    secret = setup_platform(sims)
+    files_dir = tempfile.mkdtemp(prefix="tollgate-batch-bench-")
+    env = {**os.environ, "TOLLGATE_FILES_DIR": files_dir, "TOLLGATE_BATCH_SWEEP_S": "5",
+           "TOLLGATE_USAGE_STREAM": f"tg:usage:bench:{uuid.uuid4().hex[:8]}",
+           "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_FLEET_REFRESH_S": "1"}
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+         "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+    worker_log = open(Path(files_dir) / "worker.log", "wb")  # noqa: SIM115
+    worker = subprocess.Popen(
+        ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "billing_platform",
+         "worker", "-Q", "batch", "--concurrency", "1", "-l", "WARNING", "--without-gossip",
+         "--without-mingle", "-n", f"batch-bench-{os.getpid()}@%h"],
+        cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    gw = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{gw}/v1", api_key=secret, max_retries=2)
+    batch_id = None
+    try:
+        for _ in range(150):
+            try:
+                httpx.get(f"{gw}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        url = f"{gw}/v1/chat/completions"
+        asyncio.run(ttfts(url, secret, requests=50, concurrency=args.concurrency))  # warm-up
+        without = asyncio.run(ttfts(url, secret, requests=args.requests,
+                                    concurrency=args.concurrency))
+        log(f"without batch: p50 {pct(without, 0.5):.2f} ms, p99 {pct(without, 0.99):.2f} ms")
+
+        lines = b"".join(json.dumps({
+            "custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "max_tokens": 16, "messages": [
+                {"role": "user", "content": f"Batch item {i}: summarise."}]}}).encode() + b"\n"
+            for i in range(args.lines))
+        file = client.files.create(file=("bench.jsonl", io.BytesIO(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        batch_id = batch.id
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch_id).request_counts.completed < 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the batch did not start running")
+            time.sleep(0.5)
+        done_before = client.batches.retrieve(batch_id).request_counts.completed
+        with_batch = asyncio.run(ttfts(url, secret, requests=args.requests,
+                                       concurrency=args.concurrency))
+        after = client.batches.retrieve(batch_id)
+        log(f"with batch: p50 {pct(with_batch, 0.5):.2f} ms, p99 "
+            f"{pct(with_batch, 0.99):.2f} ms; {after.request_counts.completed - done_before} "
+            f"batch lines ran meanwhile (status {after.status})")
+    finally:
+        if batch_id is not None:
+            try:
+                client.batches.cancel(batch_id)
+            except openai.OpenAIError:
+                pass
+        for proc in (worker, gateway):
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for sim in sims:
+            sim.stop()
+
+    print(json.dumps({
+        "requests": args.requests, "concurrency": args.concurrency, "batch_lines": args.lines,
+        "ttft_p50_ratio": round(pct(with_batch, 0.5) / pct(without, 0.5), 3),
+        "ttft_p99_ratio": round(pct(with_batch, 0.99) / pct(without, 0.99), 3),
+        "ttft_ms": {"without": {"p50": round(pct(without, 0.5), 3),
+                                "p99": round(pct(without, 0.99), 3)},
+                    "with": {"p50": round(pct(with_batch, 0.5), 3),
+                             "p99": round(pct(with_batch, 0.99), 3)}},
+        "batch_lines_during_with_phase": after.request_counts.completed - done_before,
+        "batch_still_running": after.status == "in_progress",
+        "worker_nice": 10, "engine_max_running": args.max_running,
+        "decode_tokens_per_s": args.decode_tokens_per_s,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
