@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 
-from engine_adapter.sim.testing import free_port, start_sim  # noqa: E402
+from engine_adapter.sim.testing import free_port, start_sim
 
 MODEL = "bench-batch"
 
@@ -110,9 +111,9 @@ def main() -> None:
     p.add_argument("--max-running", type=int, default=16)
     args = p.parse_args()
 
-    import openai
-
     import logging
+
+    import openai
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sims = [start_sim(served_model_name=MODEL, max_running_requests=args.max_running,
@@ -131,11 +132,11 @@ def main() -> None:
          "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
     worker_log = open(Path(files_dir) / "worker.log", "wb")  # noqa: SIM115
     worker = subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "billing_platform",
+        [sys.executable, "-m", "celery", "-A", "billing_platform",
          "worker", "-Q", "batch", "--concurrency", "1", "-l", "WARNING", "--without-gossip",
          "--without-mingle", "-n", f"batch-bench-{os.getpid()}@%h"],
         cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=lambda: os.nice(10))
     gw = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{gw}/v1", api_key=secret, max_retries=2)
     batch_id = None
@@ -175,10 +176,8 @@ def main() -> None:
             f"batch lines ran meanwhile (status {after.status})")
     finally:
         if batch_id is not None:
-            try:
+            with contextlib.suppress(openai.OpenAIError):
                 client.batches.cancel(batch_id)
-            except openai.OpenAIError:
-                pass
         for proc in (worker, gateway):
             proc.terminate()
             try:
