@@ -1,0 +1,135 @@
+"""Admission benchmark: decisions per second from one process, and the latency admission adds.
+
+Each decision is the gateway's real admission step (``plans.admission.aadmit``: one Lua call
+checking RPM for org, project and key, TPM for org and key, and a hard budget with a
+worst-case reservation), against the real Redis at ``REDIS_URL``. Policies are built in memory
+(what the gateway caches), so PostgreSQL is not involved.
+
+1. latency: ``--latency-n`` sequential admissions; ``p50_ms``/``p99_ms`` are what one request
+   waits for its decision (settlement runs after the response, so it is not added latency).
+2. throughput: ``--concurrency`` asyncio workers admit and settle for ``--seconds``;
+   ``decisions_per_s`` counts admissions (each followed by its settlement, as in production).
+
+Prints one JSON line: ``{"decisions_per_s", "p50_ms", "p99_ms", ...}``.
+
+    REDIS_URL=redis://127.0.0.1:6379/8 .venv/bin/python bench/admission.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from decimal import Decimal
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _policies(n_orgs: int):
+    from plans.admission import BudgetRule, QuotaPolicy
+    from plans.pricing import ModelPricing, PriceSet
+
+    prices = PriceSet(Decimal("0.50"), Decimal("0.05"), Decimal("1.50"), Decimal("0.50"))
+    pricing = ModelPricing(version_id=1, currency="USD", model="bench", base=prices, bands=(),
+                           tier={"priority": Decimal("2"), "flex": Decimal("0.5")}, zone={})
+    out = []
+    base = 10_000_000 + os.getpid() * 1000  # ids of our own, far from real orgs
+    for i in range(n_orgs):
+        org = base + i
+        out.append(QuotaPolicy(
+            org_id=org, project_id=org, key_id=org,
+            rpm=((f"o{org}", 10**9), (f"p{org}", 10**9), (f"k{org}", 10**9)),
+            tpm=((f"o{org}", 10**12), (f"k{org}", 10**12)),
+            budgets=(BudgetRule(budget_id=org, scope="organization", limit=Decimal("1000000"),
+                                hard=True, spent_seed=Decimal("0"), suspended=False),),
+            pricing=pricing, allowed_regions=None))
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from plans import admission
+
+    policies = _policies(args.orgs)
+
+    async def one(i: int, *, settle: bool) -> float:
+        policy = policies[i % len(policies)]
+        t0 = time.perf_counter()
+        ticket = await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
+                                        tier="default", zone="global", prompt_tokens=500,
+                                        max_output=200)
+        elapsed = time.perf_counter() - t0
+        if settle:
+            await admission.asettle(ticket, prompt_tokens=480, cached_tokens=100,
+                                    completion_tokens=150)
+        return elapsed
+
+    for i in range(200):  # warm up: scripts loaded, connections open
+        await one(i, settle=True)
+    samples = [await one(i, settle=False) for i in range(args.latency_n)]
+    samples.sort()
+
+    done = 0
+    deadline = time.perf_counter() + args.seconds
+
+    async def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while time.perf_counter() < deadline:
+            await one(i, settle=True)
+            done += 1
+            i += args.concurrency
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "bench": "admission", "decisions_per_s": round(done / elapsed),
+        "p50_ms": round(statistics.median(samples) * 1000, 3),
+        "p99_ms": round(samples[int(len(samples) * 0.99) - 1] * 1000, 3),
+        "latency_n": args.latency_n, "throughput_decisions": done,
+        "concurrency": args.concurrency, "orgs": args.orgs,
+        "checks_per_decision": "3 rpm + 2 tpm + 1 hard budget",
+    }
+
+
+async def cleanup(n_orgs: int) -> None:
+    from billing_platform.redis_conn import get_aredis
+
+    r = get_aredis()
+    base = 10_000_000 + os.getpid() * 1000
+    for i in range(n_orgs):
+        keys = [k async for k in r.scan_iter(match=f"tg:q:{{o{base + i}}}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--latency-n", type=int, default=5000)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--orgs", type=int, default=100)
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+    import django
+
+    django.setup()
+
+    async def both() -> dict:
+        try:
+            return await run(args)
+        finally:
+            await cleanup(args.orgs)
+
+    print(json.dumps(asyncio.run(both())))
+
+
+if __name__ == "__main__":
+    main()
