@@ -3,7 +3,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from billing_platform.console import views
+from billing_platform.console import settings_views, views
 
 app_name = "console"
 
@@ -21,4 +21,5 @@ urlpatterns = [
     path("members/", views.members, name="members"),
     path("members/<int:member_id>/role/", views.member_role, name="member-role"),
     path("invitations/<str:token>/", views.invitation_accept, name="invitation"),
+    path("settings/", settings_views.quota_settings, name="settings"),
 ]

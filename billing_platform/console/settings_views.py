@@ -1,0 +1,95 @@
+"""Console settings page for quotas: rate limits (org usage tier, project and key overrides)
+and monthly budgets with their alerts. Thin: a form validates, one quotas service acts."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+
+from billing_platform.accounts.models import Project
+from billing_platform.accounts.selectors import OrgAccess
+from billing_platform.console.views import org_page
+from billing_platform.errors import DomainError
+from plans import quotas
+from plans.models import QuotaAuditEvent
+
+
+class LimitsForm(forms.Form):
+    scope = forms.CharField(widget=forms.HiddenInput, initial="org")
+    usage_tier = forms.ChoiceField(required=False, choices=[("", "default")] + [
+        (t, f"{t} ({r:,} RPM, {k:,} TPM)") for t, (r, k) in quotas.USAGE_TIERS.items()])
+    rpm = forms.IntegerField(required=False, min_value=0, label="Requests / minute")
+    tpm = forms.IntegerField(required=False, min_value=0, label="Tokens / minute")
+    allowed_regions = forms.CharField(required=False, help_text="Comma-separated; empty: all "
+                                      "regions of the organization's data zone.")
+
+
+class BudgetForm(forms.Form):
+    scope = forms.CharField(widget=forms.HiddenInput, initial="org")
+    amount = forms.DecimalField(min_value=0, max_digits=20, decimal_places=6,
+                                label="Monthly amount")
+    hard = forms.BooleanField(required=False, initial=True,
+                              label="Hard limit (refuse requests at 100 %)")
+    alert_emails = forms.CharField(required=False, help_text="Comma-separated")
+    webhook_url = forms.URLField(required=False, label="Webhook URL")
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _scope(access: OrgAccess, scope: str) -> Project | None:
+    if scope == "org":
+        return None
+    return get_object_or_404(Project, organization=access.organization, public_id=scope)
+
+
+@org_page()
+def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    org = access.organization
+    if request.method == "POST":
+        if not access.can("org.write"):
+            messages.error(request, f"Your role ({access.role}) cannot change limits or "
+                                    "budgets.")
+            return redirect("console:settings")
+        kind = request.POST.get("kind")
+        form = LimitsForm(request.POST) if kind == "limits" else BudgetForm(request.POST)
+        if form.is_valid():
+            data = form.cleaned_data
+            project = _scope(access, data.pop("scope"))
+            try:
+                if kind == "limits":
+                    quotas.quota_limit_set(
+                        organization=org, project=project, actor=request.user,
+                        usage_tier=data["usage_tier"] if project is None else "",
+                        rpm=data["rpm"], tpm=data["tpm"],
+                        allowed_regions=_split(data["allowed_regions"]))
+                    messages.success(request, "Limits saved.")
+                else:
+                    quotas.budget_set(
+                        organization=org, project=project, actor=request.user,
+                        amount=data["amount"], hard=data["hard"],
+                        alert_emails=_split(data["alert_emails"]),
+                        webhook_url=data["webhook_url"])
+                    messages.success(request, "Budget saved.")
+            except DomainError as exc:
+                messages.error(request, exc.message)
+        else:
+            messages.error(request, f"Please correct: {form.errors.as_text()}")
+        return redirect("console:settings")
+    limits = {(r.project.public_id if r.project_id else "org"): r
+              for r in quotas.limits_rows_of(organization=org) if not r.api_key_id}
+    org_row = limits.get("org")
+    tier = (org_row.usage_tier if org_row and org_row.usage_tier
+            else quotas.DEFAULT_USAGE_TIER)
+    budgets = [quotas.budget_state(budget=b) for b in quotas.budgets_of(organization=org)]
+    projects = list(org.projects.order_by("created_at"))
+    return render(request, "console/settings.html", {
+        "tier": tier, "tier_limits": quotas.USAGE_TIERS[tier], "limits": limits,
+        "org_limits": org_row, "projects": projects, "budgets": budgets,
+        "limits_form": LimitsForm(), "budget_form": BudgetForm(),
+        "audit": QuotaAuditEvent.objects.filter(organization=org).order_by("-created_at")[:20],
+        "can_write": access.can("org.write"),
+    })
