@@ -15,6 +15,8 @@ from django.utils import timezone
 
 from plans.choices import ReservationTerm
 from plans.models import (
+    Budget,
+    BudgetAlert,
     ContextBand,
     CreditCoefficient,
     CreditGrant,
@@ -27,6 +29,8 @@ from plans.models import (
     PriceMultiplier,
     PriceVersion,
     ProvisionedOffering,
+    QuotaAuditEvent,
+    QuotaLimit,
     Reservation,
     Subscription,
     TokenPlanPeriod,
@@ -231,3 +235,39 @@ class CreditGrantAdmin(admin.ModelAdmin):
             obj.remaining = obj.amount
             obj.created_by = request.user  # type: ignore[assignment]
         super().save_model(request, obj, form, change)
+
+
+# --- quotas -------------------------------------------------------------------------------------
+
+
+@admin.register(QuotaLimit)
+class QuotaLimitAdmin(admin.ModelAdmin):
+    list_display = ("organization", "project", "api_key", "usage_tier", "rpm", "tpm",
+                    "allowed_regions")
+    raw_id_fields = ("organization", "project", "api_key")
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    list_display = ("public_id", "organization", "project", "amount", "currency", "hard",
+                    "suspended_at")
+    raw_id_fields = ("organization", "project")
+    readonly_fields = ("public_id", "webhook_secret", "suspended_at")
+
+
+@admin.register(BudgetAlert)
+class BudgetAlertAdmin(admin.ModelAdmin):
+    list_display = ("budget", "period_start", "threshold", "spend", "email_sent_at",
+                    "webhook_status")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(QuotaAuditEvent)
+class QuotaAuditEventAdmin(admin.ModelAdmin):
+    list_display = ("created_at", "organization", "action", "subject")
+    list_filter = ("action",)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
