@@ -21,5 +21,11 @@ urlpatterns = [
     path("members/", views.members, name="members"),
     path("members/<int:member_id>/role/", views.member_role, name="member-role"),
     path("invitations/<str:token>/", views.invitation_accept, name="invitation"),
+    path("invoices/", views.invoices, name="invoices"),
+    path("invoices/<str:invoice_id>/", views.invoice_document, name="invoice"),
+    path("invoices/<str:invoice_id>/pdf/", views.invoice_document, {"fmt": "pdf"},
+         name="invoice-pdf"),
+    path("invoices/<str:invoice_id>/csv/", views.invoice_document, {"fmt": "csv"},
+         name="invoice-csv"),
     path("settings/", settings_views.quota_settings, name="settings"),
 ]

@@ -10,7 +10,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -218,3 +218,49 @@ def invitation_accept(request: HttpRequest, token: str) -> HttpResponse:
         messages.success(request, f"You joined {membership.organization.name}.")
         return redirect("console:dashboard")
     return render(request, "console/invitation.html", {"token": token})
+
+
+# --- invoices (billing.read: owner, admin, finance) -------------------------------------------
+
+def _invoice(access: OrgAccess, invoice_id: str):
+    from billing_platform.invoicing.selectors import invoice_get
+
+    invoice = invoice_get(organization=access.organization, public_id=invoice_id)
+    if invoice is None or invoice.status == "draft":
+        raise Http404("No such invoice.")
+    return invoice
+
+
+@org_page("billing.read")
+def invoices(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    from billing_platform.invoicing.selectors import invoices_of
+    from billing_platform.invoicing.services import upcoming_invoice
+
+    return render(request, "console/invoices.html", {
+        "invoices": invoices_of(organization=access.organization)[:100],
+        "upcoming": upcoming_invoice(organization=access.organization),
+    })
+
+
+@org_page("billing.read")
+def invoice_document(request: HttpRequest, access: OrgAccess, invoice_id: str,
+                     fmt: str = "html") -> HttpResponse:
+    """Return an invoice (or ``upcoming``) as HTML, PDF or CSV, all from the one template."""
+    from billing_platform.invoicing import rendering
+    from billing_platform.invoicing.services import upcoming_invoice
+
+    if invoice_id == "upcoming":
+        invoice, name = upcoming_invoice(organization=access.organization), "upcoming"
+    else:
+        invoice = _invoice(access, invoice_id)
+        name = invoice.number
+    if fmt == "pdf":
+        response = HttpResponse(rendering.invoice_pdf(invoice, access.organization),
+                                content_type="application/pdf")
+        response["Content-Disposition"] = f'inline; filename="{name}.pdf"'
+        return response
+    if fmt == "csv":
+        response = HttpResponse(rendering.invoice_csv(invoice), content_type="text/csv")
+        response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+        return response
+    return HttpResponse(rendering.invoice_html(invoice, access.organization))
