@@ -144,12 +144,14 @@ def test_sdk_runs_5000_lines_on_the_simulator(stack, celery_worker_process):
     by_id = {r["response"]["request_id"]: r["response"]["body"]["usage"] for r in rows}
     assert all(by_id[e.request_id]["completion_tokens"] == e.completion_tokens
                and by_id[e.request_id]["prompt_tokens"] == e.prompt_tokens for e in events)
-    # rated at half the standard price: 0.5 x (prompt x 0.50 + completion x 1.50) / 1e6
-    event = events[0]
-    standard = (event.prompt_tokens * Decimal("0.50")
-                + event.completion_tokens * Decimal("1.50")) / 1_000_000
-    assert event.amount == (Decimal("0.5") * standard).quantize(event.amount), (
-        event.amount, standard)
+    # rated at half the standard price, cached-token pricing (0.1 x input) stacking
+    assert any(e.cached_tokens for e in events)
+    for event in events:
+        standard = ((event.prompt_tokens - event.cached_tokens) * Decimal("0.50")
+                    + event.cached_tokens * Decimal("0.05")
+                    + event.completion_tokens * Decimal("1.50")) / 1_000_000
+        assert event.amount == (Decimal("0.5") * standard).quantize(event.amount), (
+            event.amount, standard)
 
     listed = client.batches.list(limit=1)
     assert [b.id for b in listed.data] == [batch.id]
@@ -220,7 +222,7 @@ def test_worker_killed_mid_batch_leaves_one_result_and_one_event_per_line(
         transactional_db, tmp_path, settings, metering_stream, celery_worker_process):
     # given engines slow enough that the batch is still running when the worker dies
     sims = [start_sim(served_model_name=MODEL, prefill_tokens_per_s=1_000_000,
-                      decode_tokens_per_s=400) for _ in range(2)]
+                      decode_tokens_per_s=100, max_running_requests=8) for _ in range(2)]
     stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream), sims)
     try:
         client = stack.client()

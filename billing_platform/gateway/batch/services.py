@@ -307,32 +307,50 @@ class LineOutcome:
 def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]) -> int:
     """Write the outcomes of lines this worker still holds; meter the completed ones.
 
-    A line whose lease was lost (expired, cancelled, or claimed again) is left alone: its
-    result is dropped unbilled. Return how many lines were recorded.
+    One statement for the whole chunk, conditional on each line still being ``running``
+    under our lease: a line whose lease was lost (expired, cancelled, or claimed again) is
+    left alone and its result dropped unbilled. Return how many lines were recorded.
     """
     now = timezone.now()
-    recorded = completed = failed = 0
-    with transaction.atomic():
-        for out in outcomes:
-            held = BatchLine.objects.filter(id=out.line_id, state=LineState.RUNNING,
-                                            lease_token=token)
-            if out.retry:
-                held.update(state=LineState.PENDING, lease_until=None, lease_token="")
-                continue
-            n = held.update(state=out.state, status_code=out.status_code,
-                            response=out.response, error=out.error, usage=out.usage,
-                            metered=False, finished_at=now, lease_until=None)
-            recorded += n
-            if n and out.state == LineState.COMPLETED:
-                completed += 1
-            elif n:
-                failed += 1
-        if completed or failed:
+    retry = [o.line_id for o in outcomes if o.retry]
+    done = [o for o in outcomes if not o.retry]
+    recorded: list[tuple[int, str]] = []
+    with transaction.atomic(), connection.cursor() as cur:
+        if retry:
+            cur.execute(
+                "UPDATE gateway_batchline SET state = %s, lease_until = NULL, lease_token = ''"
+                " WHERE id = ANY(%s) AND state = %s AND lease_token = %s",
+                [LineState.PENDING, retry, LineState.RUNNING, token])
+        if done:
+            values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(done))
+            params: list[Any] = []
+            for o in done:
+                params += [o.line_id, o.state, o.status_code,
+                           None if o.response is None else json.dumps(o.response),
+                           None if o.error is None else json.dumps(o.error),
+                           None if o.usage is None else json.dumps(o.usage)]
+            cur.execute(
+                f"""
+                UPDATE gateway_batchline AS l
+                SET state = v.state, status_code = v.status_code::int,
+                    response = v.response::jsonb, error = v.error::jsonb,
+                    usage = v.usage::jsonb, metered = false, finished_at = %s,
+                    lease_until = NULL
+                FROM (VALUES {values}) AS v(id, state, status_code, response, error, usage)
+                WHERE l.id = v.id::bigint AND l.state = %s AND l.lease_token = %s
+                RETURNING l.id, l.state
+                """,  # noqa: S608 - only placeholders are interpolated
+                [now, *params, LineState.RUNNING, token])
+            recorded = cur.fetchall()
+        completed = sum(1 for _id, state in recorded if state == LineState.COMPLETED)
+        failed = len(recorded) - completed
+        if recorded:
             Batch.objects.filter(pk=batch_id).update(
                 completed=F("completed") + completed, failed=F("failed") + failed,
                 heartbeat_at=now)
-    batch_usage_flush(batch_id=batch_id)
-    return recorded
+    if completed:
+        batch_usage_flush(batch_id=batch_id)
+    return len(recorded)
 
 
 def batch_usage_flush(*, batch_id: int | None = None) -> int:
