@@ -49,7 +49,7 @@ def _set_default_card(org, pm_alias: str) -> str:
     return account.stripe_customer_id
 
 
-def _signed(payload: str, secret: str = "whsec_tollgate_test") -> str:  # noqa: S107
+def _signed(payload: str, secret: str = "whsec_tollgate_test") -> str:
     t = int(time.time())
     sig = hmac.new(secret.encode(), f"{t}.{payload}".encode(), hashlib.sha256).hexdigest()
     return f"t={t},v1={sig}"
@@ -193,3 +193,16 @@ def test_failed_payment_webhook_starts_dunning_once(open_invoice, client):
     assert open_invoice.payment_failures == 1
     assert open_invoice.status == InvoiceStatus.OPEN
     assert open_invoice.next_payment_attempt_at is not None
+
+
+def test_a_lost_webhook_is_made_up_by_the_sync(open_invoice):
+    _set_default_card(open_invoice.organization, "pm_card_visa")
+    assert services.invoice_charge(invoice_id=open_invoice.id) == "succeeded"
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.OPEN  # no webhook arrived
+
+    assert services.payments_sync(older_than=timedelta(0)) == 1
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.PAID
+    assert open_invoice.amount_paid == Decimal("200.00")
+    assert services.payments_sync(older_than=timedelta(0)) == 0
