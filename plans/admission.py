@@ -529,6 +529,8 @@ async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> Q
         return hit[1]
     policy = await sync_to_async(quota_policy_load, thread_sensitive=False)(
         organization_id=org_id, project_id=project_id, key_id=key_id, model=model)
+    if len(_policies) > 50_000:  # keys x models seen by this process; stale ones reload anyway
+        _policies.clear()
     _policies[(key_id, model)] = (now, policy)
     return policy
 

@@ -33,7 +33,7 @@ class BudgetForm(forms.Form):
     hard = forms.BooleanField(required=False, initial=True,
                               label="Hard limit (refuse requests at 100 %)")
     alert_emails = forms.CharField(required=False, help_text="Comma-separated")
-    webhook_url = forms.URLField(required=False, label="Webhook URL")
+    webhook_url = forms.URLField(required=False, label="Webhook URL", assume_scheme="https")
 
 
 def _split(value: str) -> list[str]:
