@@ -18,11 +18,12 @@ import pytest
 import stripe
 
 from billing_platform.accounts.choices import OrgStatus
+from billing_platform.accounts.selectors import api_key_authenticate
 from billing_platform.invoicing import services, stripe_client
 from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
 from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt, StripeEvent
 from plans import services as plan_services
-from tests.factories import make_billed_org, make_offering
+from tests.factories import make_billed_org, make_key, make_offering
 from tests.invoicing.conftest import NOV, OCT
 
 WEBHOOK_URL = "/stripe/webhook/"
@@ -145,6 +146,8 @@ def test_dunning_retries_emails_then_uncollectible_and_suspended(
         open_invoice, mailoutbox, django_capture_on_commit_callbacks, client):
     org = open_invoice.organization
     _set_default_card(org, "pm_card_chargeCustomerFail")
+    _, secret = make_key(org.projects.first())
+    assert api_key_authenticate(secret) is not None  # and now cached in Redis
     t0 = NOV + timedelta(hours=2)
 
     with django_capture_on_commit_callbacks(execute=True):
@@ -168,13 +171,16 @@ def test_dunning_retries_emails_then_uncollectible_and_suspended(
     assert open_invoice.payment_failures == 4
     assert PaymentAttempt.objects.filter(status=PaymentStatus.FAILED).count() == 4
     assert org.status == OrgStatus.SUSPENDED
+    assert api_key_authenticate(secret) is None  # the gateway refuses at once
     assert len(mailoutbox) == 4 and "suspended" in mailoutbox[-1].subject.lower()
     assert services.invoices_dunning_run(now=when + timedelta(days=30)) == []
 
     # paid out of band: the org is active again
-    services.invoice_mark_paid(invoice=open_invoice)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.invoice_mark_paid(invoice=open_invoice)
     org.refresh_from_db()
     assert org.status == OrgStatus.ACTIVE
+    assert api_key_authenticate(secret) is not None
 
 
 def test_failed_payment_webhook_starts_dunning_once(open_invoice, client):
