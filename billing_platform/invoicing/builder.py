@@ -11,6 +11,7 @@ Usage is attributed to a period by its rollup hour (``hour`` in [period_start, p
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -25,6 +26,7 @@ from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
 from plans.models import CreditPackPurchase, Reservation, Subscription
 from plans.selectors import reservation_fee_for_period
 
+log = logging.getLogger(__name__)
 MILLION = Decimal(1_000_000)
 PRECISE = Decimal("1E-10")
 
@@ -157,13 +159,12 @@ _USAGE_SQL = """
 SELECT p.org, a.*
   FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[]) AS p(org, ps, pe, cur)
  CROSS JOIN LATERAL (
-        SELECT r.model, r.region, r.service_tier, r.capacity_source,
+        SELECT r.model, r.region, r.service_tier, r.capacity_source, r.currency,
                SUM(r.amount), SUM(r.requests), SUM(r.prompt_tokens), SUM(r.cached_tokens),
                SUM(r.completion_tokens)
           FROM usage_rollup_hourly r
          WHERE r.organization_id = p.org AND r.hour >= p.ps AND r.hour < p.pe
-           AND r.currency = p.cur
-         GROUP BY 1, 2, 3, 4
+         GROUP BY 1, 2, 3, 4, 5
          ORDER BY 1, 3, 2, 4) a
 """
 
@@ -201,7 +202,15 @@ def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
     with connection.cursor() as cur:
         cur.execute(_USAGE_SQL, [[t.org_id for t in targets], [t.period_start for t in targets],
                                  [t.period_end for t in targets], [t.currency for t in targets]])
-        for org, model, region, tier, source, amount, req, prompt, cached, completion in cur:
+        for org, model, region, tier, source, currency, amount, req, prompt, cached, \
+                completion in cur:
+            if currency != by_org[org].currency:
+                # Rated in another currency than the org is invoiced in (a plan in another
+                # currency): never convert silently; finance must see it.
+                log.error("org %s: %s %s of %s usage in %s not invoiced (invoice currency %s)",
+                          org, amount, currency, model, by_org[org].period_start.date(),
+                          by_org[org].currency)
+                continue
             out[org].append(UsageSum(by_org[org].period_start, model, region, tier, source,
                                      amount, int(req), int(prompt), int(cached),
                                      int(completion)))
