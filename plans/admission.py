@@ -167,8 +167,8 @@ return {1, '', 0, capacity, unpack(headers)}
 SETTLE_LUA = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rid, actual = ARGV[1], tonumber(ARGV[2])
-local n_bud, n_tpm, n_prov = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local rid = ARGV[1]
+local n_bud, n_tpm, n_prov = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local v = redis.call('HGET', KEYS[2], rid)
 if v then
   for key, amt in string.gmatch(v, '(%S+) (%S+)') do
@@ -179,9 +179,10 @@ if v then
   redis.call('HDEL', KEYS[2], rid)
   redis.call('ZREM', KEYS[1], rid)
 end
-local ki, ai = 3, 6
+local ki, ai = 3, 5
 for i = 1, n_bud do
   local key = KEYS[ki]; ki = ki + 1
+  local actual = tonumber(ARGV[ai]); ai = ai + 1
   if actual > 0 then
     redis.call('HINCRBY', key, 'spent', actual); redis.call('PEXPIRE', key, 40 * 86400000)
   end
@@ -233,6 +234,12 @@ def budget_key(org_id: int, budget_id: int, at: datetime) -> str:
     return f"{_tag(org_id)}:bud:{budget_id}:{at:%Y%m}"
 
 
+def rule_key(org_id: int, rule: BudgetRule, at: datetime) -> str:
+    if rule.scope == "plan":
+        return f"{_tag(org_id)}:plan:{rule.budget_id}:{rule.period_tag}"
+    return budget_key(org_id, rule.budget_id, at)
+
+
 def rpm_key(org_id: int, scope: str) -> str:
     return f"{_tag(org_id)}:rpm:{scope}"
 
@@ -264,6 +271,10 @@ class BudgetRule:
     hard: bool
     spent_seed: Decimal  # this month's rated spend in PostgreSQL when the policy was read
     suspended: bool
+    # A token plan's period credits ride the same machinery: scope "plan", amounts in credits
+    # (coefficients per token class: input, cached_input, output), key named by the period.
+    coefficients: tuple[Decimal, Decimal, Decimal] | None = None
+    period_tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -341,6 +352,15 @@ def actual_micro(pricing: Any, *, tier: str, zone: str, prompt_tokens: int,
     return to_micro(amount)
 
 
+def credits_micro(coefficients: tuple[Decimal, Decimal, Decimal], *, prompt_tokens: int,
+                  cached_tokens: int, completion_tokens: int) -> int:
+    """Return token-plan credits (micro-credits, rounded up) of these counts."""
+    c_in, c_cached, c_out = coefficients
+    exact = ((prompt_tokens - cached_tokens) * c_in + cached_tokens * c_cached
+             + completion_tokens * c_out) * MICRO
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
 @dataclass
 class _Counts:
     prompt_tokens: int
@@ -409,8 +429,12 @@ class Ticket:
                             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens)
         keys = [*reservations_keys(p.org_id), *self.budget_keys]
-        argv: list[Any] = [self.request_id, cost, len(self.budget_keys), len(p.tpm),
+        argv: list[Any] = [self.request_id, len(self.budget_keys), len(p.tpm),
                            int(self.capacity == "provisioned")]
+        for rule in p.budgets:
+            argv.append(cost if rule.coefficients is None else credits_micro(
+                rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                completion_tokens=completion_tokens))
         used = prompt_tokens + completion_tokens
         for scope, cap in p.tpm:
             keys.append(tpm_key(p.org_id, scope))
@@ -447,10 +471,13 @@ def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
     argv += [limit for _, limit in p.rpm]
     keys += [tpm_key(p.org_id, s) for s, _ in p.tpm]
     argv += [limit for _, limit in p.tpm]
-    bkeys = [budget_key(p.org_id, b.budget_id, now) for b in p.budgets]
+    bkeys = [rule_key(p.org_id, b, now) for b in p.budgets]
     keys += bkeys
     for b in p.budgets:
-        argv += [to_micro(b.limit), worst, to_micro(b.spent_seed), int(b.hard)]
+        rule_worst = worst if b.coefficients is None else credits_micro(
+            b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
+            completion_tokens=max_output)
+        argv += [to_micro(b.limit), rule_worst, to_micro(b.spent_seed), int(b.hard)]
     norm = 0
     if p.provisioned is not None:
         r = p.provisioned
@@ -488,6 +515,12 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: list[Any], retry_ms: 
         return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers)
     if reason.startswith("budget:"):
         rule = policy.budgets[int(reason.split(":")[1]) - 1]
+        if rule.scope == "plan":
+            return QuotaExceeded(
+                f"Your token plan's credits for this period are used up (limit "
+                f"{rule.limit.normalize():f} credits, this request may need more than is left)."
+                f" Buy a credit pack or wait for the next period.",
+                code="plan_quota_exhausted", headers=headers)
         return spend_limit_error(rule, headers)
     if reason == "provisioned":
         headers["x-tollgate-capacity"] = "provisioned"

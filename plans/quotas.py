@@ -138,6 +138,38 @@ def _plan_exhausted(org: Organization, at: datetime) -> str:
     return "this period's credits are used up"
 
 
+def _plan_rule(org: Organization, model: str, at: datetime) -> admission.BudgetRule | None:
+    """Return a blocking token plan's period credits as an admission rule (None otherwise)."""
+    from plans.choices import ANY_MODEL, CapPolicy, PlanKind
+    from plans.models import CreditCoefficient, TokenPlanPeriod
+    from plans.periods import period_bounds
+    from plans.selectors import subscription_at, token_plan_status
+
+    sub = subscription_at(organization=org, at=at)
+    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
+            or sub.plan.cap_policy != CapPolicy.BLOCK or not sub.plan.credits_per_period):
+        return None
+    coefs: dict[str, dict[str, Decimal]] = {}
+    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
+            "model", "token_class", "coefficient"):
+        coefs.setdefault(m, {})[cls] = c
+    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    if not mine:
+        return None  # the model is not on the plan: rated on demand, nothing to block
+    zero = Decimal("0")
+    start, _end = period_bounds(sub.billing_anchor, at)
+    period = TokenPlanPeriod.objects.filter(subscription=sub, period_start=start).first()
+    used = (period.plan_credits + period.pack_credits) if period else zero
+    status = token_plan_status(subscription=sub, at=at)
+    packs = status.pack_credits_left if status else zero
+    return admission.BudgetRule(
+        budget_id=sub.id, scope="plan", hard=True, suspended=False,
+        limit=sub.plan.credits_per_period + packs + (period.pack_credits if period else zero),
+        spent_seed=used, period_tag=f"{start:%Y%m%d%H}",
+        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
+                      mine.get("output", zero)))
+
+
 def _provisioned_for(org_id: int, model: str, at: datetime) -> admission.ProvisionedRule | None:
     from plans.choices import OverflowPolicy
     from plans.selectors import active_reservations
@@ -171,6 +203,9 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
             suspended=b.suspended_at is not None))
     # org budget first, then the project's (the order of the spend-limit codes' precedence)
     budgets.sort(key=lambda b: b.scope != "organization")
+    plan_rule = _plan_rule(org, model, now)
+    if plan_rule is not None:
+        budgets.append(plan_rule)
     return admission.QuotaPolicy(
         org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
         budgets=tuple(budgets), pricing=_pricing_for(org, model, now), allowed_regions=regions,

@@ -5,12 +5,15 @@ left answers 429 ``plan_quota_exhausted``."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import httpx
+from django.db.models import Sum
 
 from metering.models import UsageEvent
 from plans import services as plan_services
+from plans.models import TokenPlanUsage
 from tests.conftest import wait_until
 from tests.factories import (
     OrganizationFactory,
@@ -78,29 +81,39 @@ def test_a_reservation_that_rejects_overflow_answers_429(live_gateway):
     assert int(refused.headers["retry-after"]) >= 1
 
 
-def test_a_blocking_token_plan_without_credits_answers_plan_quota_exhausted(live_gateway):
-    # given a token plan (blocking at its cap) whose period credits are all used
+def test_a_blocking_token_plan_is_never_overdrawn_under_concurrency(live_gateway):
+    # given a token plan that blocks at 200 credits a period (1 credit per token)
     org = OrganizationFactory()
     _key, secret = make_key(project=ProjectFactory(organization=org), scopes=["inference"])
-    plan = make_token_plan(cap_policy="block", credits_per_period="10", window_credits=None,
+    plan = make_token_plan(cap_policy="block", credits_per_period="200", window_credits=None,
                            coefficients=[{"model": "small", "token_class": t, "coefficient": "1"}
                                          for t in ("input", "cached_input", "output")])
-    plan_services.subscription_create(organization=org, plan=plan,
-                                      starts_at=datetime(2026, 1, 1, tzinfo=UTC))
-    first = _chat(live_gateway, secret, max_tokens=50)  # uses more than the 10 credits
-    assert first.status_code == 200
+    sub = plan_services.subscription_create(organization=org, plan=plan,
+                                            starts_at=datetime(2026, 1, 1, tzinfo=UTC))
+
+    # when 30 requests arrive at once, then more until one is refused
+    with ThreadPoolExecutor(10) as pool:
+        responses = list(pool.map(lambda _: _chat(live_gateway, secret, max_tokens=20),
+                                  range(30)))
+    for _ in range(20):
+        responses.append(_chat(live_gateway, secret, max_tokens=20))
+        if responses[-1].status_code == 429:
+            break
+
+    # then refusals say plan_quota_exhausted, and the credits rated never exceed the plan's
+    assert responses[-1].status_code == 429
+    assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} == {
+        "plan_quota_exhausted"}
+    assert "retry-after" in responses[-1].headers
+    ids = [r.headers["x-request-id"] for r in responses if r.status_code == 200]
 
     def rated():
         drain_usage()
-        return UsageEvent.objects.filter(request_id=first.headers["x-request-id"]).exists()
+        return TokenPlanUsage.objects.filter(subscription=sub).count() == len(ids)
 
-    wait_until(rated, timeout=10, what="the event rated against the plan")
-
-    # when the plan is exhausted, then the next request is refused with OpenAI's shape
-    def refused():
-        r = _chat(live_gateway, secret, max_tokens=5)
-        return r if r.status_code == 429 else None
-
-    r = wait_until(refused, timeout=10, what="the plan's block to apply")
-    assert r.json()["error"]["code"] == "plan_quota_exhausted"
-    assert "retry-after" in r.headers
+    wait_until(rated, timeout=15, what="every admitted request rated against the plan")
+    used = TokenPlanUsage.objects.filter(subscription=sub).aggregate(
+        plan=Sum("plan_credits"), over=Sum("overage_credits"))
+    worst = 24 + 20  # prompt bound of "user: hi" + max_tokens, at 1 credit per token
+    assert used["over"] == 0
+    assert 200 - worst < used["plan"] <= 200, used
