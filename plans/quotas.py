@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import secrets
+import smtplib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -366,10 +367,15 @@ def _send_alert(alert: BudgetAlert, state: BudgetState) -> None:
                f"({state.live_spend.quantize(Decimal('0.01'))} of {budget.amount} "
                f"{budget.currency})")
     recipients = budget.alert_emails or [org.billing_email]
-    send_mail(subject, f"{subject}.\n\nPeriod: {alert.period_start:%Y-%m}.\n"
-              f"{'Requests are refused at 100% (hard budget).' if budget.hard else ''}",
-              None, recipients)
-    alert.email_sent_at = timezone.now()
+    try:
+        send_mail(subject, f"{subject}.\n\nPeriod: {alert.period_start:%Y-%m}.\n"
+                  f"{'Requests are refused at 100% (hard budget).' if budget.hard else ''}",
+                  None, recipients)
+    except (OSError, smtplib.SMTPException) as exc:
+        # Recorded without email_sent_at, so it is visible; the webhook still goes out.
+        log.warning("budget alert email for %s failed: %r", budget.public_id, exc)
+    else:
+        alert.email_sent_at = timezone.now()
     if budget.webhook_url:
         payload = {"type": "budget.threshold_reached", "budget": budget.public_id,
                    "organization": org.public_id,

@@ -140,3 +140,38 @@ def test_an_exhausted_hard_project_budget_suspends_its_keys_and_raising_it_reins
                    .order_by("created_at").values_list("action", flat=True))
     assert actions.index("keys.suspended") < actions.index("keys.reinstated")
     assert Decimal(str(spent)) > 0
+
+
+def test_the_beat_sweep_in_a_real_worker_alerts_and_suspends(
+        celery_worker_process, metering_stream, mailoutbox):  # noqa: F811
+    # given a hard budget already exceeded by usage recorded in PostgreSQL
+    from datetime import UTC, datetime
+
+    from metering.services import usage_event_append
+    from tests.factories import make_price_book
+
+    make_price_book(prices=[{"model": "small", "input": "0.50", "output": "1.50"}])
+    org = OrganizationFactory()
+    project = ProjectFactory(organization=org)
+    key, _secret = make_key(project=project, scopes=["inference"])
+    budget = quotas.budget_set(organization=org, amount="0.0001", hard=True)
+    usage_event_append({
+        "request_id": "req_beat_sweep_1", "org_id": org.id, "project_id": project.id,
+        "api_key_id": key.id, "model": "small", "region": "us-east", "data_zone": "global",
+        "engine": "e", "service_tier": "default", "capacity_source": "on_demand",
+        "prompt_tokens": 1000, "cached_tokens": 0, "completion_tokens": 0,
+        "status": "ok", "cost_to_serve": "0", "event_time": datetime.now(tz=UTC).isoformat()})
+    drain_usage()
+
+    # when the worker's beat runs the sweep (every second here)
+    worker = celery_worker_process(queues="quota", beat=True,
+                                   env={**metering_stream, "TOLLGATE_BUDGET_SWEEP_S": "1"})
+
+    # then the budget's keys are suspended and every threshold fired once
+    def swept():
+        budget.refresh_from_db()
+        return budget.suspended_at is not None and budget.alerts.count() == 3
+
+    wait_until(swept, timeout=60, what=f"the sweep (worker log: {worker.log_path})")
+    assert "plans.budget_sweep" in worker.log_path.read_text()
+    assert sorted(budget.alerts.values_list("threshold", flat=True)) == [50, 80, 100]
