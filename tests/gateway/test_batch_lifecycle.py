@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from decimal import Decimal
 
+import openai
 import pytest
 from django.utils import timezone
 
@@ -158,3 +160,40 @@ def test_cancel_under_a_worker_stops_within_a_minute(
         stop_gateway(stack_.gateway)
         for sim in sims:
             sim.stop()
+
+
+def test_hard_budget_stops_the_batch_and_bills_only_what_ran(stack, settings):
+    from django.db.models import Sum
+
+    from metering.models import UsageEvent
+    from plans import quotas
+    from tests.factories import OrganizationFactory, ProjectFactory, make_key
+
+    # given a hard monthly budget worth a handful of batch lines
+    org = OrganizationFactory()
+    _key, secret = make_key(project=ProjectFactory(organization=org),
+                            scopes=["inference", "batch"])
+    budget = Decimal("0.00005")
+    quotas.budget_set(organization=org, amount=budget, hard=True)
+    client = openai.OpenAI(base_url=f"{stack.gateway.url}/v1", api_key=secret, max_retries=0)
+    created = client.batches.create(
+        input_file_id=upload(client, [request_line(i, max_tokens=4) for i in range(60)]),
+        endpoint="/v1/chat/completions", completion_window="24h")
+    batch = batch_services.batch_validate(batch_id=Batch.objects.get(public_id=created.id).pk)
+
+    # when the runner works through it
+    settings.BATCH_CHUNK = 8
+    assert runner.batch_run(batch_id=batch.pk, slice_s=60) == "drained"
+
+    # then it ended with the lines that ran, the rest failed with the spend limit, unbilled
+    done = client.batches.retrieve(created.id)
+    assert done.status == "completed"
+    completed, failed = done.request_counts.completed, done.request_counts.failed
+    assert 1 <= completed < 60 and completed + failed == 60
+    errors = results(client, done.error_file_id)
+    assert len(errors) == failed
+    assert {r["error"]["code"] for r in errors} == {"organization_spend_limit_exceeded"}
+    events = batch_events(created.id, completed)
+    assert len(events) == completed
+    spend = UsageEvent.objects.filter(organization=org).aggregate(s=Sum("amount"))["s"]
+    assert spend <= budget

@@ -9,12 +9,15 @@ spare room it sends nothing and waits; interactive traffic always has the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connection
+from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.gateway.batch import services as batch_services
@@ -30,17 +33,76 @@ from billing_platform.gateway.services import (
 from engine_adapter.registry import Fleet
 from engine_adapter.selectors import spare_slots
 from engine_adapter.types import EngineBadRequest, EngineError, NoCapacity
+from plans import admission as quota
 
 log = logging.getLogger(__name__)
 
 # SGLang runs larger priority values first; batch sits below flex (-10), the lowest of all.
 BATCH_PRIORITY = -20
 IDLE_WAIT_S = 0.2
+DEFAULT_MAX_OUTPUT = 4096
+# Admission answers that end the batch: the remaining lines go to the error file unbilled.
+STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded",
+              "plan_quota_exhausted"}
+
+
+async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: BatchLine
+                 ) -> tuple[quota.Ticket | None, LineOutcome | None]:
+    """Reserve the line's worst case against budgets and token plans (as interactive does)."""
+    body = req.engine_body
+    max_output = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_output is None:
+        max_output = body["max_tokens"] = DEFAULT_MAX_OUTPUT
+    messages = len(body.get("messages") or ()) or 1
+    try:
+        ticket = await quota.aadmit(
+            policy, request_id=line.request_id, tier="batch", zone=principal.data_zone,
+            prompt_tokens=quota.prompt_token_bound(req.prompt_text, messages),
+            max_output=int(max_output))
+    except quota.QuotaExceeded as exc:
+        if exc.code not in STOP_CODES:
+            return None, LineOutcome(line.id, retry=True)  # rate limits: later
+        error = {"message": exc.message, "type": "rate_limit_error", "param": None,
+                 "code": exc.code}
+        return None, LineOutcome(line.id, state=LineState.FAILED, status_code=429,
+                                 response={"error": error}, stop=True,
+                                 error={"code": exc.code, "message": exc.message})
+    except RedisError:
+        if any(b.hard for b in policy.budgets):
+            return None, LineOutcome(line.id, retry=True)  # never run past a hard budget
+        return None, None
+    return ticket, None
+
+
+async def _settle(ticket: quota.Ticket | None, result) -> None:
+    if ticket is None or ticket.settled:
+        return
+    try:
+        await quota.asettle(ticket, prompt_tokens=result.prompt_tokens if result else 0,
+                            cached_tokens=result.cached_tokens if result else 0,
+                            completion_tokens=result.completion_tokens if result else 0)
+    except RedisError as exc:
+        log.warning("settlement of %s failed: %r", ticket.request_id, exc)
 
 
 async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
-                    regions: set[str] | None) -> LineOutcome:
+                    regions: set[str] | None, policy: quota.QuotaPolicy | None = None
+                    ) -> LineOutcome:
     req = ENDPOINTS[batch.endpoint](line.body)
+    ticket = None
+    if policy is not None:
+        ticket, refused = await _admit(policy, principal, req, line)
+        if refused is not None:
+            return refused
+    try:
+        return await _send(line, req=req, fleet=fleet, batch=batch, principal=principal,
+                           regions=regions, ticket=ticket)
+    finally:
+        await _settle(ticket, None)  # no-op once _send settled with the engine's counts
+
+
+async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
+                regions: set[str] | None, ticket: quota.Ticket | None) -> LineOutcome:
     started = datetime.now(tz=UTC)
     call = fleet.client.call(
         model=req.model, path=PATHS[req.kind], body=req.engine_body,
@@ -65,6 +127,7 @@ async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: K
                                                "param": None, "code": exc.code}},
                            error={"code": exc.code, "message": str(exc)})
     result = call.result
+    await _settle(ticket, result)
     if result is None or result.status != "ok":
         if line.attempts < MAX_ATTEMPTS:
             return LineOutcome(line.id, retry=True)
@@ -83,6 +146,10 @@ async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: K
     return LineOutcome(line.id, status_code=200, response=body, usage=event)
 
 
+def _close_db() -> None:
+    connection.close()
+
+
 async def _run(batch_id: int, *, slice_s: float) -> str:
     """Run lines until the slice ends or nothing is left; return why it stopped."""
     batch = await Batch.objects.filter(pk=batch_id).afirst()
@@ -93,18 +160,29 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
         regions = await allowed_regions_for(principal, batch.model)
     except GatewayError:
         regions = set()  # the model left the caller's zone: nothing runs; expiry ends it
+    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
+                                 key_id=principal.key_id, model=batch.model)
+    # Batch runs on shared capacity at the batch tier, never on a provisioned reservation.
+    policy = dataclasses.replace(policy, provisioned=None)
+    if policy.allowed_regions is not None:  # the key's/project's residency narrowing
+        regions = set(policy.allowed_regions) if regions is None else (
+            regions & policy.allowed_regions)
     # A fleet view of this slice's own: its HTTP pool belongs to this event loop.
     fleet = Fleet(salt_secret=settings.SECRET_KEY)
     await sync_to_async(fleet.refresh)()
     try:
         return await _slice(batch, fleet=fleet, principal=principal, regions=regions,
-                            deadline=time.monotonic() + slice_s)
+                            policy=policy, deadline=time.monotonic() + slice_s)
     finally:
         await fleet.client.aclose()
+        # The DB work of this slice ran in asgiref's sync thread; do not leave its
+        # connection open between slices (or past a test database's teardown).
+        await sync_to_async(_close_db)()
 
 
 async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
-                 regions: set[str] | None, deadline: float) -> str:
+                 regions: set[str] | None, policy: quota.QuotaPolicy,
+                 deadline: float) -> str:
     batch_id = batch.pk
     heartbeat = sync_to_async(batch_services.batch_heartbeat)
     probe = sync_to_async(spare_slots)
@@ -123,9 +201,17 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
             return "drained"
         await fleet.arefresh_if_stale()
         outcomes = await asyncio.gather(*(
-            _run_line(line, fleet=fleet, batch=batch, principal=principal, regions=regions)
+            _run_line(line, fleet=fleet, batch=batch, principal=principal, regions=regions,
+                      policy=policy)
             for line in lines))
         await record(batch_id=batch_id, token=token, outcomes=list(outcomes))
+        stop = next((o for o in outcomes if o.stop), None)
+        if stop is not None:
+            await sync_to_async(batch_services.batch_lines_stop)(batch_id=batch_id,
+                                                                 error=stop.error)
+            return "drained"
+        if any(o.retry for o in outcomes):
+            await asyncio.sleep(IDLE_WAIT_S)  # rate-limited or engine trouble: back off
     return "slice"
 
 

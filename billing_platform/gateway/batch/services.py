@@ -302,6 +302,7 @@ class LineOutcome:
     error: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     retry: bool = False
+    stop: bool = False  # a hard budget or token plan refused: end the batch
 
 
 def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]) -> int:
@@ -351,6 +352,16 @@ def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]
     if completed:
         batch_usage_flush(batch_id=batch_id)
     return len(recorded)
+
+
+def batch_lines_stop(*, batch_id: int, error: dict[str, Any] | None) -> int:
+    """Fail every pending line with ``error`` (a budget stopped the batch); return how many."""
+    now = timezone.now()
+    with transaction.atomic():
+        n = BatchLine.objects.filter(batch_id=batch_id, state=LineState.PENDING).update(
+            state=LineState.FAILED, error=error, finished_at=now)
+        Batch.objects.filter(pk=batch_id).update(failed=F("failed") + n)
+    return n
 
 
 def batch_usage_flush(*, batch_id: int | None = None) -> int:
