@@ -162,8 +162,10 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
         regions = set()  # the model left the caller's zone: nothing runs; expiry ends it
     policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
                                  key_id=principal.key_id, model=batch.model)
-    # Batch runs on shared capacity at the batch tier, never on a provisioned reservation.
-    policy = dataclasses.replace(policy, provisioned=None)
+    # Batch runs on spare shared capacity at the batch tier: never on a provisioned
+    # reservation, and outside the org's RPM/TPM, which are for interactive traffic (as
+    # OpenAI's batch limits are separate); budgets and token plans still apply.
+    policy = dataclasses.replace(policy, provisioned=None, rpm=(), tpm=())
     if policy.allowed_regions is not None:  # the key's/project's residency narrowing
         regions = set(policy.allowed_regions) if regions is None else (
             regions & policy.allowed_regions)
