@@ -206,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     test.set_defaults(func=cmd_test)
     services = sub.add_parser("services", help="start PostgreSQL/Redis, print their URLs")
     services.set_defaults(func=cmd_services)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "test":  # pytest options like -x or -k go straight through
+        args.pytest_args = [*extra, *args.pytest_args]
     os.chdir(Path(E.BASE_DIR))
     return args.func(args)
 
