@@ -79,10 +79,20 @@ def batch_create(*, principal: KeyPrincipal, input_file_id: Any, endpoint: Any,
         api_key_id=principal.key_id, principal=asdict(principal), endpoint=endpoint,
         completion_window=completion_window, input_file=file, metadata=metadata,
         expires_at=timezone.now() + timedelta(seconds=window), heartbeat_at=timezone.now())
+    transaction.on_commit(lambda: _enqueue_start(batch.pk))
+    return batch
+
+
+def _enqueue_start(batch_id: int) -> None:
+    from kombu.exceptions import OperationalError
+
     from billing_platform.gateway import tasks
 
-    transaction.on_commit(lambda: tasks.batch_start.delay(batch.pk))
-    return batch
+    try:
+        tasks.batch_start.delay(batch_id)
+    except OperationalError as exc:  # broker down: the sweep starts it when it is back
+        log.warning("batch %s: could not enqueue validation (%r); the sweep will", batch_id,
+                    exc)
 
 
 def batches_for_org(*, org_id: int) -> QuerySet[Batch]:
