@@ -273,6 +273,59 @@ def upcoming_invoice(*, organization: Organization, now: datetime | None = None
     return draft
 
 
+@transaction.atomic
+def invoice_finalize(*, invoice: Invoice, now: datetime | None = None,
+                     enqueue_payment: bool = True) -> Invoice:
+    """Finalize a draft made by hand (its charge lines already added): tax, credits, number.
+
+    Period close finalizes its own invoices in bulk; this is the same rule for one draft.
+    From here on the invoice never changes.
+    """
+    now = now or timezone.now()
+    invoice = Invoice.objects.select_for_update().select_related("organization").get(
+        pk=invoice.pk)
+    if invoice.status != InvoiceStatus.DRAFT:
+        raise Conflict(f"Invoice {invoice.number} is already finalized.", param="status")
+    org = invoice.organization
+    target = Target(org.id, invoice.currency, org.tax_rate, invoice.period_start,
+                    invoice.period_end)
+    draft = DraftInvoice(target)
+    lines = list(invoice.lines.exclude(kind__in=[LineKind.TAX, LineKind.CREDIT]))
+    for ln in lines:
+        draft.add(ln.kind, ln.description, ln.amount_precise)
+    draft.add_tax()
+    if draft.total > 0:
+        applied = credit_grants_apply(organization=org, currency=invoice.currency,
+                                      amount=draft.total, reference=f"invoice:{invoice.id}",
+                                      at=now)
+        draft.add_credit(sum((a.amount for a in applied), ZERO))
+    invoice.lines.filter(kind__in=[LineKind.TAX, LineKind.CREDIT]).delete()
+    position = max((ln.position for ln in lines), default=0)
+    for ln in draft.lines[len(lines):]:
+        position += 1
+        InvoiceLine.objects.create(
+            invoice=invoice, position=position, kind=ln.kind, description=ln.description,
+            quantity=ln.quantity, unit_price=ln.unit_price, amount_precise=ln.amount_precise,
+            amount=ln.amount)
+    series = _series(InvoiceKind.INVOICE, now)
+    invoice.number = f"{series}-{_take_numbers(series, 1):06d}"
+    invoice.tax_rate = org.tax_rate
+    invoice.subtotal, invoice.tax = draft.subtotal, draft.tax
+    invoice.credits_applied, invoice.total = draft.credits_applied, draft.total
+    invoice.amount_due = draft.total
+    invoice.finalized_at = now
+    if draft.total > 0:
+        invoice.status = InvoiceStatus.OPEN
+        invoice.due_at = now + timedelta(days=settings.INVOICING_NET_DAYS)
+        if enqueue_payment:
+            invoice_id = invoice.id
+            transaction.on_commit(lambda: _enqueue_charges([invoice_id]))
+    else:
+        invoice.status, invoice.due_at, invoice.paid_at = InvoiceStatus.PAID, now, now
+    invoice.save()
+    return invoice
+
+
 # --- corrections -------------------------------------------------------------------------------
 
 def _reactivate_if_settled(organization: Organization) -> None:

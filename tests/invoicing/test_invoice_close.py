@@ -15,6 +15,7 @@ from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 import pytest
 from django.db import DatabaseError, IntegrityError, transaction
 
+from billing_platform.errors import Conflict
 from billing_platform.invoicing import services
 from billing_platform.invoicing.choices import InvoiceStatus, LineKind
 from billing_platform.invoicing.models import Invoice, InvoiceLine
@@ -269,3 +270,20 @@ def test_concurrent_closes_create_one_invoice_per_org(catalog):
     numbers = sorted(int(n.rsplit("-", 1)[1]) for n in
                      Invoice.objects.values_list("number", flat=True))
     assert numbers == list(range(numbers[0], numbers[0] + 6))  # gapless
+
+
+def test_a_hand_made_draft_is_finalized_with_tax_credits_and_a_number(catalog):
+    org = make_billed_org(tax_rate="0.2000")
+    plan_services.credit_grant_create(organization=org, kind="promotional", amount="1.00")
+    draft = Invoice.objects.create(organization=org, currency="USD", period_start=OCT,
+                                   period_end=NOV, kind="invoice")
+    InvoiceLine.objects.create(invoice=draft, position=1, kind=LineKind.ADJUSTMENT,
+                               description="Onboarding", amount_precise=d("10.005"),
+                               amount=d("10.01"))
+    invoice = services.invoice_finalize(invoice=draft, enqueue_payment=False)
+    assert invoice.status == InvoiceStatus.OPEN and invoice.number.startswith("INV-")
+    # 10.01 + tax 2.00 (20 % of 10.01 = 2.002) - 1.00 credit
+    assert [ln.amount for ln in invoice.lines.all()] == [d("10.01"), d("2.00"), d("-1.00")]
+    assert (invoice.subtotal, invoice.tax, invoice.total) == (d("10.01"), d("2.00"), d("11.01"))
+    with pytest.raises(Conflict, match="already finalized"):
+        services.invoice_finalize(invoice=invoice)
