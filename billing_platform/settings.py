@@ -165,28 +165,6 @@ STRIPE_MAX_NETWORK_RETRIES = 3       # the stripe library retries network errors
 STRIPE_WEBHOOK_TOLERANCE_S = 300
 INVOICING_DUNNING_DAYS = E.INVOICING_DUNNING_DAYS
 INVOICING_NET_DAYS = 14             # due date of an invoice left for manual payment
-INVOICING_LATE_LOOKBACK_DAYS = 120  # how far back period close looks for late usage
-INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction
-
-# Batch API (/v1/files, /v1/batches): OpenAI's limits, storage directory, execution knobs.
-FILES_DIR = E.FILES_DIR
-FILES_MAX_BYTES = 200 * 1024 * 1024
-FILES_MAX_LINES = 50_000
-BATCH_LEASE_S = E.BATCH_LEASE_S
-BATCH_MAX_RUNNING_FRACTION = E.BATCH_MAX_RUNNING_FRACTION
-BATCH_SWEEP_S = E.BATCH_SWEEP_S
-BATCH_CHUNK = 64              # most lines claimed at once by one worker
-BATCH_SLICE_S = 30.0          # a run task yields the worker after this long and re-enqueues
-BATCH_COMPLETION_WINDOWS = {"24h": 24 * 3600}
-
-# Invoicing and payments (billing_platform.invoicing).
-STRIPE_API_KEY = E.STRIPE_API_KEY
-STRIPE_WEBHOOK_SECRET = E.STRIPE_WEBHOOK_SECRET
-STRIPE_API_BASE = E.STRIPE_API_BASE
-STRIPE_MAX_NETWORK_RETRIES = 3       # the stripe library retries network errors with backoff
-STRIPE_WEBHOOK_TOLERANCE_S = 300
-INVOICING_DUNNING_DAYS = E.INVOICING_DUNNING_DAYS
-INVOICING_NET_DAYS = 14             # due date of an invoice left for manual payment
 INVOICING_LATE_LOOKBACK_DAYS = 62   # periods starting this far back are rescanned for late usage
 INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction
 
