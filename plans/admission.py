@@ -332,7 +332,7 @@ def worst_case_micro(pricing: Any, *, tier: str, zone: str, prompt_tokens: int,
     if pricing is None:
         return 0
     sets = [pricing.base, *[p for _, p in pricing.bands]]
-    p_in = max(max(s.input, s.cache_write) for s in sets)
+    p_in = max(max(s.input, s.cached_input, s.cache_write) for s in sets)
     p_out = max(s.output for s in sets)
     mult = pricing.multiplier(tier, zone)
     # micro-units of (tokens x price per 1M / 1M) == tokens x price per 1M
