@@ -89,6 +89,7 @@ class UsageEventIngestApi(APIView):
     """Record usage reported by engines outside the fleet (bulk, idempotent by event id)."""
 
     @extend_schema(
+        operation_id="usage_events_ingest", tags=["usage"],
         request=s.UsageEventBatchDocSerializer,
         responses={200: s.UsageEventBatchResultSerializer},
         description="Up to 10,000 events per call. Each event is validated on its own: invalid "
@@ -239,6 +240,7 @@ class UsageApi(APIView):
     """Usage of an organization summed from the hourly rollups."""
 
     @extend_schema(
+        operation_id="usage_summary", tags=["usage"],
         parameters=[
             OpenApiParameter("organization", str, description="Organization id (sessions)."),
             OpenApiParameter("start", str, description="Inclusive date or on-the-hour time "
@@ -280,7 +282,8 @@ class UsageApi(APIView):
             if project_ids and set(project_ids) != {caller.only_project_id}:
                 raise NotFound("No such project.")
             project_ids = (caller.only_project_id,)
-        key_ids = _lookup(ApiKey, org, _csv(params.get("key")), "key")
+        key_ids = _lookup(ApiKey, org, _csv(params.get("key")), "key",
+                          project_id=caller.only_project_id)
         buckets = usage_summary(
             usage_filter=UsageFilter(
                 org_id=org.id, start=start, end=end, project_ids=project_ids,
@@ -298,12 +301,14 @@ class UsageApi(APIView):
         return Response(s.UsageSummarySerializer(out).data)
 
 
-def _lookup(model, org: Organization, public_ids: tuple[str, ...], param: str
-            ) -> tuple[int, ...]:
+def _lookup(model, org: Organization, public_ids: tuple[str, ...], param: str, *,
+            project_id: int | None = None) -> tuple[int, ...]:
     if not public_ids:
         return ()
-    found = dict(model.objects.filter(organization=org, public_id__in=public_ids)
-                 .values_list("public_id", "id"))
+    objects = model.objects.filter(organization=org, public_id__in=public_ids)
+    if project_id is not None:  # a project-bound caller may not probe other projects' keys
+        objects = objects.filter(project_id=project_id)
+    found = dict(objects.values_list("public_id", "id"))
     missing = [p for p in public_ids if p not in found]
     if missing:
         raise InvalidRequest(f"No such {param} in this organization: {', '.join(missing)}.",

@@ -257,11 +257,11 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
         else:
             cur.execute(CLAIM_KEYS, ([r[0] for r in rows], [r[1] for r in rows],
                                      [r[I_TIME] for r in rows]))
-        new_keys = set(cur.fetchall())
-        if len(new_keys) == len(rows):
+        if cur.rowcount == len(rows):  # the usual case: all new, no need to read the keys
             fresh = list(rows)
             result = RecordResult(recorded=[(r[0], r[1]) for r in rows])
         else:
+            new_keys = set(cur.fetchall())
             fresh = [r for r in rows if (r[I_ORG], r[I_REQUEST]) in new_keys]
             result = RecordResult(
                 recorded=[(r[0], r[1]) for r in fresh],

@@ -212,7 +212,9 @@ def test_usage_read_key_sees_only_its_project(api_client, usage):
 
     assert mine.json()["totals"][0]["requests"] == UsageEvent.objects.filter(
         project=usage.project2).count()
+    probe = api_client.get("/api/v1/usage", {"key": usage.key.public_id}, **_auth(reader))
     assert other.status_code == 404
+    assert probe.status_code == 400  # another project's key is as unknown as a made-up one
     assert api_client.get("/api/v1/usage", **_auth(neither)).status_code == 403
 
 
