@@ -82,6 +82,8 @@ class GatewayASGI:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
         limit = settings.GATEWAY_MAX_BODY_BYTES
+        if scope["path"] == "/v1/files":  # batch file uploads (multipart): up to 200 MB
+            limit = settings.FILES_MAX_BYTES + 1024 * 1024
         try:
             body = await _read_body(receive, limit)
         except _Disconnected:

@@ -88,3 +88,15 @@ def test_files_need_the_batch_scope(files_gateway):
     client = _client(files_gateway, scopes=("inference",))
     with pytest.raises(openai.PermissionDeniedError):
         client.files.list()
+
+
+def test_upload_larger_than_the_json_body_limit(files_gateway):
+    # a batch file of ~12 MB: above /v1's 8 MB JSON body limit, within the 200 MB file limit
+    client = _client(files_gateway)
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "small", "messages": [
+                           {"role": "user", "content": "y" * 1000}]}}).encode() + b"\n"
+    content = line * (12 * 1024 * 1024 // len(line))
+    uploaded = client.files.create(file=("big.jsonl", io.BytesIO(content)), purpose="batch")
+    assert uploaded.bytes == len(content)
+    assert client.files.content(uploaded.id).content == content
