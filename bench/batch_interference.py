@@ -3,8 +3,10 @@ batch running on the same simulated engines, in one run on one machine.
 
 Prints one JSON line with ``ttft_p50_ratio`` and ``ttft_p99_ratio`` (with batch / without;
 goal: both at most 1.10) and how many batch lines ran while the "with" phase was measured.
+The two phases alternate in short rounds (the batch worker paused with SIGSTOP for "without")
+so that drift in the machine's other load falls on both alike.
 
-    .venv/bin/python bench/batch_interference.py [--requests 400] [--concurrency 4]
+    .venv/bin/python bench/batch_interference.py [--requests 1000] [--concurrency 4]
 
 Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
 ``./tollgate services``). The Celery worker runs at OS niceness 10, as a background batch
@@ -19,6 +21,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,9 +107,10 @@ def setup_platform(sims) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--lines", type=int, default=20_000)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
     p.add_argument("--max-running", type=int, default=16)
     args = p.parse_args()
@@ -149,10 +153,6 @@ def main() -> None:
                 time.sleep(0.2)
         url = f"{gw}/v1/chat/completions"
         asyncio.run(ttfts(url, secret, requests=50, concurrency=args.concurrency))  # warm-up
-        without = asyncio.run(ttfts(url, secret, requests=args.requests,
-                                    concurrency=args.concurrency))
-        log(f"without batch: p50 {pct(without, 0.5):.2f} ms, p99 {pct(without, 0.99):.2f} ms")
-
         lines = b"".join(json.dumps({
             "custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": MODEL, "max_tokens": 16, "messages": [
@@ -167,13 +167,28 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError("the batch did not start running")
             time.sleep(0.5)
-        done_before = client.batches.retrieve(batch_id).request_counts.completed
-        with_batch = asyncio.run(ttfts(url, secret, requests=args.requests,
-                                       concurrency=args.concurrency))
+        # Alternate short blocks without (worker paused with SIGSTOP, its in-flight lines
+        # drained) and with the batch running, so drift in the machine's load hits both.
+        without: list[float] = []
+        with_batch: list[float] = []
+        ran = 0
+        block = max(1, args.requests // args.rounds)
+        for _ in range(args.rounds):
+            os.killpg(worker.pid, signal.SIGSTOP)
+            time.sleep(0.5)
+            without += asyncio.run(ttfts(url, secret, requests=block,
+                                         concurrency=args.concurrency))
+            os.killpg(worker.pid, signal.SIGCONT)
+            time.sleep(0.5)
+            before = client.batches.retrieve(batch_id).request_counts.completed
+            with_batch += asyncio.run(ttfts(url, secret, requests=block,
+                                            concurrency=args.concurrency))
+            ran += client.batches.retrieve(batch_id).request_counts.completed - before
         after = client.batches.retrieve(batch_id)
+        log(f"without batch: p50 {pct(without, 0.5):.2f} ms, p99 {pct(without, 0.99):.2f} ms")
         log(f"with batch: p50 {pct(with_batch, 0.5):.2f} ms, p99 "
-            f"{pct(with_batch, 0.99):.2f} ms; {after.request_counts.completed - done_before} "
-            f"batch lines ran meanwhile (status {after.status})")
+            f"{pct(with_batch, 0.99):.2f} ms; {ran} batch lines ran meanwhile "
+            f"(status {after.status})")
     finally:
         if batch_id is not None:
             with contextlib.suppress(openai.OpenAIError):
@@ -187,6 +202,8 @@ def main() -> None:
         for sim in sims:
             sim.stop()
 
+    from django.conf import settings
+
     print(json.dumps({
         "requests": args.requests, "concurrency": args.concurrency, "batch_lines": args.lines,
         "ttft_p50_ratio": round(pct(with_batch, 0.5) / pct(without, 0.5), 3),
@@ -195,8 +212,9 @@ def main() -> None:
                                 "p99": round(pct(without, 0.99), 3)},
                     "with": {"p50": round(pct(with_batch, 0.5), 3),
                              "p99": round(pct(with_batch, 0.99), 3)}},
-        "batch_lines_during_with_phase": after.request_counts.completed - done_before,
+        "batch_lines_during_with_phase": ran, "rounds": args.rounds,
         "batch_still_running": after.status == "in_progress",
+        "batch_max_running_fraction": settings.BATCH_MAX_RUNNING_FRACTION,
         "worker_nice": 10, "engine_max_running": args.max_running,
         "decode_tokens_per_s": args.decode_tokens_per_s,
     }), flush=True)

@@ -54,7 +54,16 @@ FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
-# Share of an engine's running slots batch work may fill; interactive traffic keeps the rest.
-BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION", default=0.5)
+# Share of an engine's running slots batch work may fill; interactive traffic keeps the rest
+# (conservative: bench/batch_interference.py measures the interference it costs).
+BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION",
+                                              default=0.25)
 # Beat period of the batch sweep (expiry, cancellation, restarting orphaned batches).
 BATCH_SWEEP_S: float = env.float("TOLLGATE_BATCH_SWEEP_S", default=15.0)
+
+# Gateway and quotas (see billing_platform/settings.py for what each means).
+GATEWAY_DEFAULT_MAX_TOKENS: int = env.int("TOLLGATE_DEFAULT_MAX_TOKENS", default=4096)
+GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FACTOR",
+                                                   default=4.0)
+QUOTA_RESERVATION_TTL_S: float = env.float("TOLLGATE_RESERVATION_TTL_S", default=600.0)
+QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0)
