@@ -178,3 +178,12 @@ BATCH_SWEEP_S = E.BATCH_SWEEP_S
 BATCH_CHUNK = 64              # most lines claimed at once by one worker
 BATCH_SLICE_S = 30.0          # a run task yields the worker after this long and re-enqueues
 BATCH_COMPLETION_WINDOWS = {"24h": 24 * 3600}
+
+# Gateway: output bound added when a request names none (so worst-case budget reservations are
+# real bounds); priority is downgraded when every engine queues this many batches of requests.
+GATEWAY_DEFAULT_MAX_TOKENS = E.GATEWAY_DEFAULT_MAX_TOKENS
+GATEWAY_SATURATION_QUEUE_FACTOR = E.GATEWAY_SATURATION_QUEUE_FACTOR
+# Quotas: admission reservations of crashed requests expire after this; each process caches
+# limits and budgets this long.
+QUOTA_RESERVATION_TTL_S = E.QUOTA_RESERVATION_TTL_S
+QUOTA_POLICY_TTL_S = E.QUOTA_POLICY_TTL_S

@@ -126,6 +126,10 @@ class Router:
     def regions_of(self, model: str) -> set[str]:
         return {e.region for e in self._engines.values() if e.model == model}
 
+    def scraped_load(self, engine_id: str) -> EngineLoad | None:
+        """Return the engine's last scraped load (None until the health task has seen it)."""
+        return self._scraped.get(engine_id)
+
     def load(self, engine_id: str) -> int:
         scraped = self._scraped.get(engine_id)
         return self._inflight.get(engine_id, 0) + (scraped.queued if scraped else 0)

@@ -30,15 +30,16 @@ Time is Redis's own clock (``TIME``), so gateway hosts with skewed clocks agree.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
+from django.conf import settings
+
 from billing_platform.errors import DomainError
 
-RESERVATION_TTL_MS = int(float(os.environ.get("TOLLGATE_RESERVATION_TTL_S", "600")) * 1000)
+RESERVATION_TTL_MS = int(settings.QUOTA_RESERVATION_TTL_S * 1000)
 MICRO = Decimal("1000000")
 
 ADMIT_LUA = r"""
@@ -544,7 +545,7 @@ def admit_sync(client: Any, script: Any, keys: list[str], argv: list[Any]) -> li
 
 # --- the runtime the gateway calls ----------------------------------------------------------
 
-POLICY_TTL_S = float(os.environ.get("TOLLGATE_QUOTA_POLICY_TTL_S", "2"))
+POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
 _policies: dict[tuple[int, str], tuple[float, QuotaPolicy]] = {}
 
 

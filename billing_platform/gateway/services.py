@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
 from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
@@ -29,9 +29,9 @@ from plans import admission as quota
 # SGLang with --enable-priority-scheduling runs larger priority values first.
 ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10}
 # Output bound set when a request names none, so worst-case reservations are real bounds.
-DEFAULT_MAX_OUTPUT = int(os.environ.get("TOLLGATE_DEFAULT_MAX_TOKENS", "4096"))
+DEFAULT_MAX_OUTPUT = settings.GATEWAY_DEFAULT_MAX_TOKENS
 # Priority is downgraded when every engine queues this many batches' worth of requests.
-SATURATION_QUEUE_FACTOR = float(os.environ.get("TOLLGATE_SATURATION_QUEUE_FACTOR", "4"))
+SATURATION_QUEUE_FACTOR = settings.GATEWAY_SATURATION_QUEUE_FACTOR
 log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -215,8 +215,7 @@ def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
         return True, False  # no engine: the call itself answers 503
     spare, saturated = False, True
     for e in engines:
-        # engine_adapter exposes no accessor for the scraped load; read the router's copy.
-        load = router._scraped.get(e.engine_id)
+        load = router.scraped_load(e.engine_id)
         if load is None:
             return True, False
         batch = max(load.max_running or load.running, 1)
