@@ -110,10 +110,8 @@ def spare_slots(*, model: str, regions: set[str] | None = None, fraction: float 
     slots = 0
     for engine in engines:
         load = loads.get(engine.engine_id)
-        if load is None or load.queued > 0:
-            continue
-        cap = load.max_running or default_max_running
-        slots += max(0, max(1, int(cap * fraction)) - load.running)
+        if load is not None:
+            slots += load.spare_room(fraction=fraction, default_max_running=default_max_running)
     return slots
 
 

@@ -33,6 +33,21 @@ class EngineLoad:
     token_usage: float = 0.0  # fraction of KV cache in use; a gauge, never money
     max_running: int | None = None
 
+    def spare_room(self, *, fraction: float = 1.0, default_max_running: int = 64) -> int:
+        """Return how many more requests may start below ``fraction`` of the engine's slots.
+
+        None while anything waits in its queue: low-priority work (flex, batch) only fills
+        troughs, so any queue at all means there is no trough.
+        """
+        if self.queued > 0:
+            return 0
+        cap = self.max_running or default_max_running
+        return max(0, max(1, int(cap * fraction)) - self.running)
+
+    def saturated(self, *, queue_factor: float) -> bool:
+        """Return True when the queue holds ``queue_factor`` batches' worth of requests."""
+        return self.queued >= queue_factor * max(self.max_running or self.running, 1)
+
 
 @dataclass
 class CallResult:

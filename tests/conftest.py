@@ -131,3 +131,14 @@ def stripe_settings(settings, localstripe_url):
     settings.STRIPE_WEBHOOK_SECRET = "whsec_tollgate_test"
     settings.STRIPE_MAX_NETWORK_RETRIES = 0
     return settings
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """Before the test database is dropped, end sessions that threads or children left open."""
+    yield
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )

@@ -218,10 +218,9 @@ def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
         load = router.scraped_load(e.engine_id)
         if load is None:
             return True, False
-        batch = max(load.max_running or load.running, 1)
-        if load.queued == 0 and (load.max_running is None or load.running < load.max_running):
+        if load.spare_room() > 0:
             spare = True
-        if load.queued < SATURATION_QUEUE_FACTOR * batch:
+        if not load.saturated(queue_factor=SATURATION_QUEUE_FACTOR):
             saturated = False
     return spare, saturated
 
