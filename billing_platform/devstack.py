@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,6 +178,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                           cwd=E.BASE_DIR, check=False).returncode:
             say("the SGLang CPU set-up failed (see above); the real-engine tests need it")
             return 1
+        _ensure_chromium()
         say("running the test suite")
         return subprocess.run(
             [sys.executable, "-m", "pytest", *args.pytest_args], env=env, cwd=E.BASE_DIR,
@@ -184,6 +186,23 @@ def cmd_test(args: argparse.Namespace) -> int:
         ).returncode
     finally:
         services.stop()
+
+
+def _ensure_chromium() -> None:
+    """Install Debian's Chromium for the console's browser test, where this machine can."""
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        say("Chromium not found and cannot be installed here: the browser test will be skipped")
+        return
+    say("installing Debian's chromium for the console browser test (once, ~1 min)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (["apt-get", "install", "-y", "-qq", "chromium"],
+                 ["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+        done = subprocess.run(argv, env=env, check=False, capture_output=True)
+        if argv[1] == "install" and done.returncode == 0:
+            return
+    say("could not install chromium (apt-get failed): the browser test will be skipped")
 
 
 def cmd_services(args: argparse.Namespace) -> int:

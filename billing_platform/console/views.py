@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from datetime import timedelta
 from functools import wraps
@@ -133,6 +134,10 @@ def api_keys(request: HttpRequest, access: OrgAccess, project_id: str) -> HttpRe
         if not access.can("keys.write"):
             messages.error(request, f"Your role ({access.role}) cannot create keys.")
             return redirect("console:api-keys", project_id=project.public_id)
+        if not _take_form_nonce(request):
+            # A reload or double click re-sent the form: create nothing twice.
+            messages.info(request, "That form was already submitted; no new key was created.")
+            return redirect("console:api-keys", project_id=project.public_id)
         if form.is_valid():
             days = form.cleaned_data.pop("expires_in_days")
             try:
@@ -149,7 +154,27 @@ def api_keys(request: HttpRequest, access: OrgAccess, project_id: str) -> HttpRe
                                           "shown only once.")
     keys = api_keys_for_project(project_id=project.pk)
     return render(request, "console/api_keys.html",
-                  {"project": project, "keys": keys, "form": form, "secret": secret})
+                  {"project": project, "keys": keys, "form": form, "secret": secret,
+                   "form_nonce": _new_form_nonce(request)})
+
+
+FORM_NONCES = "console_form_nonces"
+
+
+def _new_form_nonce(request: HttpRequest) -> str:
+    """Issue a one-time token for a form whose result is shown once (the secret)."""
+    nonce = secrets.token_urlsafe(16)
+    request.session[FORM_NONCES] = [*request.session.get(FORM_NONCES, [])[-19:], nonce]
+    return nonce
+
+
+def _take_form_nonce(request: HttpRequest) -> bool:
+    nonces = request.session.get(FORM_NONCES, [])
+    nonce = request.POST.get("form_nonce")
+    if nonce not in nonces:
+        return False
+    request.session[FORM_NONCES] = [n for n in nonces if n != nonce]
+    return True
 
 
 @org_page("keys.write")

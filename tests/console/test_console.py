@@ -26,13 +26,18 @@ def test_sign_up_create_key_and_revoke(client):
 
     # and creates a key
     keys_url = f"/console/projects/{project.public_id}/keys/"
-    response = client.post(keys_url, {"name": "laptop", "scopes": ["inference"]})
+    nonce = re.search(r'name="form_nonce" value="([^"]+)"', client.get(keys_url).content.decode())
+    form = {"name": "laptop", "scopes": ["inference"], "form_nonce": nonce.group(1)}
+    response = client.post(keys_url, form)
     html = response.content.decode()
     secret = re.search(r'id="new-secret">(tg-[^<]+)<', html).group(1)
     assert 'id="copy-secret"' in html
     assert api_key_authenticate(secret) is not None
     # then the secret is shown once: the next page load does not contain it
     assert secret not in client.get(keys_url).content.decode()
+    # and re-sending the same form (a reload) creates no second key
+    client.post(keys_url, form)
+    assert ApiKey.objects.filter(name="laptop").count() == 1
 
     # when they revoke it, a confirmation page comes first
     key = ApiKey.objects.get(name="laptop")
