@@ -1,0 +1,280 @@
+"""Ingest benchmark: usage events/s from the Redis stream into PostgreSQL, and end-to-end lag.
+
+A producer process XADDs gateway-shaped events (the wire form of ``metering.events``) to a
+fresh stream while this process runs the real consumer (``metering.ingest.Ingestor``: read,
+COPY, dedup, rating through ``plans.rating``, hourly rollups, XACK). Two phases:
+
+1. throughput: ``--events`` offered as fast as the producer can (or at ``--rate``);
+   ``events_per_s`` is events over the time from the first XADD to the last commit, so the
+   consumer's backlog counts against it;
+2. lag: ``--lag-events`` offered at a steady ``--lag-rate`` (default 80 % of the measured
+   throughput), as live gateway traffic would be. An event's lag is its batch's commit time
+   minus the Redis time of its XADD (from the entry id); ``lag_p50_s``/``lag_p99_s`` come
+   from this phase (the throughput phase's, which mostly measure the backlog, are reported as
+   ``saturated_lag_*``).
+
+Prints one JSON line: ``{"events", "events_per_s", "lag_p50_s", "lag_p99_s", ...}``.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/tollgate_bench REDIS_URL=redis://... \\
+        .venv/bin/python bench/ingest.py --events 1000000
+
+The database is migrated first. ``--reset`` empties the usage tables first (only in a database
+whose name contains "bench"). The events belong to organizations created for the run (with a
+default USD price book for the bench models), and the run checks that exactly the produced
+number of rows and rollup requests arrived (``exactly_once``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODELS = ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "mistral-7b-instruct",
+          "llama-3.1-70b-instruct", "deepseek-v3")
+REGIONS = ("us-east", "us-west", "eu-west")
+TIERS = ("default", "default", "default", "priority", "flex", "batch")
+
+
+def produce(args: argparse.Namespace) -> None:
+    """Producer role: XADD ``--events`` events; print the achieved rate as JSON."""
+    import redis
+
+    spec = json.loads(args.spec)
+    r = redis.Redis.from_url(spec["redis_url"])
+    key, run = spec["stream"], spec["run"]
+    keys = spec["keys"]  # [org_id, project_id, key_id]
+    rng = random.Random(run)  # ids differ between runs and phases
+    # the wire form of metering.events.encode, built by a template for speed; the parent
+    # checked this template against the real encoder before starting us
+    template = spec["template"]
+    n, chunk, rate = args.events, 250, args.rate
+    # the gateway's request ids are "req_" + a random UUID; "ordered" models time-ordered ids
+    random_ids = spec["ids"] == "random"
+    start = time.perf_counter()
+    sent = 0
+    while sent < n:
+        pipe = r.pipeline(transaction=False)
+        now = datetime.now(UTC).isoformat()
+        for i in range(sent, min(sent + chunk, n)):
+            org, project, api_key = keys[i % len(keys)]
+            prompt = rng.randrange(20, 4000)
+            payload = template % (
+                org, (f"req_{rng.getrandbits(128):032x}" if random_ids else f"req_{run}{i:012d}"),
+                project, api_key, MODELS[i % len(MODELS)],
+                REGIONS[i % len(REGIONS)], f"engine-{i % 8}", TIERS[i % len(TIERS)],
+                prompt, prompt // 3, rng.randrange(1, 800), rng.randrange(0, 50),
+                rng.randrange(5, 400), rng.randrange(100, 9000), now,
+            )
+            pipe.xadd(key, {b"e": payload.encode()})
+        pipe.execute()
+        sent = min(sent + chunk, n)
+        if rate:
+            ahead = sent / rate - (time.perf_counter() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+    elapsed = time.perf_counter() - start
+    print(json.dumps({"produced": sent, "producer_events_per_s": round(sent / elapsed)}))
+
+
+TEMPLATE = ('[1,%d,"%s",%d,%d,"%s","%s","global","%s","%s","on_demand",%d,%d,%d,%d,%d,%d,'
+            '"ok","0.0000100000","%s",null,"gateway"]')
+
+
+def _check_template() -> None:
+    from metering import events
+
+    row = events.decode_row(TEMPLATE % (1, "r", 2, 3, "m", "us-east", "e", "default",
+                                        10, 3, 5, 1, 2, 3, "2026-01-01T00:00:00+00:00"))
+    expect = events.UsageEventData(
+        org_id=1, request_id="r", project_id=2, api_key_id=3, model="m", region="us-east",
+        data_zone="global", engine="e", prompt_tokens=10, cached_tokens=3, completion_tokens=5,
+        queue_ms=1, ttft_ms=2, total_ms=3, cost_to_serve=events.Decimal("0.0000100000"),
+        event_time=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    assert events.decode_row(events.encode(expect)) == row, "bench template drifted from encode"
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _setup_orgs(n_orgs: int, run: str) -> list[list[int]]:
+    """Create the run's organizations, projects and keys, and a default USD price book."""
+    from billing_platform.accounts import services as accounts
+    from billing_platform.accounts.models import Organization, Project
+    from plans import services as plans
+
+    book = plans.price_book_create(code=f"bench-{run}", name=f"bench {run}", currency="USD",
+                                   is_default=True)
+    plans.price_version_create(
+        price_book=book, effective_from=datetime(2025, 1, 1, tzinfo=UTC), allow_backdate=True,
+        prices=[{"model": m, "input": "0.15", "output": "0.60"} for m in MODELS],
+    )
+    keys = []
+    for i in range(n_orgs):
+        org = Organization.objects.create(name=f"bench {run} {i}", slug=f"bench-{run}-{i}",
+                                          billing_email="bench@example.com")
+        for j in range(2):
+            project = Project.objects.create(organization=org, name=f"p{j}")
+            key, _secret = accounts.api_key_create(project=project, name="bench",
+                                                   scopes=["inference"])
+            keys.append([org.id, project.id, key.id])
+    return keys
+
+
+def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: list) -> dict:
+    """Produce ``events`` at ``rate`` (0: as fast as possible) while consuming them."""
+    os.environ["TOLLGATE_USAGE_STREAM"] = f"bench:usage:{run}"
+    from metering import conf, stream
+    from metering.ingest import Ingestor
+
+    lags: list[float] = []
+    done = {"n": 0, "dups": 0, "dead": 0, "first": None, "last": 0.0}
+    ingestor: Ingestor
+
+    def observer(batch, result, committed: float) -> None:
+        if done["first"] is None:
+            done["first"] = min(stream.entry_ms(i) for i in batch.ids) / 1000
+        lags.extend(committed - int(i[:i.index(b"-")]) / 1000 for i in batch.ids)
+        done["n"] += len(result.recorded)
+        done["dups"] += len(result.duplicates)
+        done["dead"] += len(result.dead_lettered)
+        done["last"] = committed
+        if done["n"] + done["dups"] + done["dead"] >= events:
+            ingestor.stop()
+
+    ingestor = Ingestor(batch_size=args.batch_size, observer=observer, claim_idle_ms=600_000,
+                        writers=args.writers)
+    stream.ensure_group(ingestor.redis)
+    spec = {"redis_url": conf.redis_url(), "stream": conf.stream_key(), "run": run,
+            "keys": keys, "template": TEMPLATE, "ids": args.ids}
+    producer = subprocess.Popen(
+        [sys.executable, __file__, "--produce", "--events", str(events), "--rate", str(rate),
+         "--spec", json.dumps(spec)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    started = time.time()
+    stats = ingestor.run()
+    produced = json.loads(producer.communicate(timeout=900)[0].strip().splitlines()[-1])
+    ingestor.redis.delete(conf.stream_key())
+    lags.sort()
+    span = done["last"] - (done["first"] or started)
+    return {
+        "events": done["n"],
+        "events_per_s": round(done["n"] / span) if span > 0 else None,
+        "lag_p50_s": round(_percentile(lags, 0.50), 3),
+        "lag_p99_s": round(_percentile(lags, 0.99), 3),
+        "lag_max_s": round(lags[-1], 3) if lags else None,
+        "duration_s": round(span, 2),
+        "batches": stats.batches,
+        "offered_rate": rate or "max",
+        **produced,
+        "duplicates": done["dups"],
+        "dead_lettered": done["dead"],
+    }
+
+
+def bench(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.db import connection
+
+    from metering import conf
+
+    _check_template()
+    call_command("migrate", verbosity=0)
+    if args.reset:
+        if "bench" not in connection.settings_dict["NAME"]:
+            raise SystemExit("--reset only empties a database whose name contains 'bench'")
+        with connection.cursor() as cur:
+            cur.execute("TRUNCATE usage_event, usage_event_id, usage_rollup_hourly")
+    run = uuid.uuid4().hex[:8]
+    keys = _setup_orgs(args.orgs, run)
+    org_ids = sorted({k[0] for k in keys})
+
+    # 1. throughput: the whole run offered as fast as the producer can (or at --rate)
+    load = _phase(args, events=args.events, rate=args.rate, run=f"{run}a", keys=keys)
+    # 2. lag: events offered at a steady rate below the throughput, as a gateway would
+    lag_rate = args.lag_rate or int((load["events_per_s"] or 1000) * 0.8)
+    lag = (_phase(args, events=args.lag_events, rate=lag_rate, run=f"{run}b", keys=keys)
+           if args.lag_events else load)
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM usage_event WHERE organization_id = ANY(%s)",
+                    [org_ids])
+        rows = cur.fetchone()[0]
+        cur.execute("SELECT coalesce(sum(requests), 0) FROM usage_rollup_hourly "
+                    "WHERE organization_id = ANY(%s)", [org_ids])
+        rollup_requests = int(cur.fetchone()[0])
+    expected = args.events + (args.lag_events or 0)
+    return {
+        "events": load["events"],
+        "events_per_s": load["events_per_s"],
+        "lag_p50_s": lag["lag_p50_s"],
+        "lag_p99_s": lag["lag_p99_s"],
+        "lag_max_s": lag["lag_max_s"],
+        "lag_offered_rate": lag["offered_rate"],
+        "lag_events": lag["events"],
+        "saturated_lag_p50_s": load["lag_p50_s"],
+        "saturated_lag_p99_s": load["lag_p99_s"],
+        "duration_s": load["duration_s"],
+        "producer_events_per_s": load["producer_events_per_s"],
+        "batches": load["batches"],
+        "batch_size": args.batch_size or conf.batch_size(),
+        "writers": args.writers,
+        "request_ids": args.ids,
+        "duplicates": load["duplicates"] + (lag["duplicates"] if args.lag_events else 0),
+        "dead_lettered": load["dead_lettered"] + (lag["dead_lettered"] if args.lag_events else 0),
+        "rows_in_usage_event": rows,
+        "rollup_requests": rollup_requests,
+        "exactly_once": rows == expected == rollup_requests,
+        "postgres": connection.pg_version,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "database": settings.DATABASES["default"]["NAME"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--rate", type=int, default=0,
+                        help="offered events/s of the throughput phase (0: max)")
+    parser.add_argument("--lag-events", type=int, default=200_000,
+                        help="events of the lag phase (0: report the throughput phase's lag)")
+    parser.add_argument("--lag-rate", type=int, default=0,
+                        help="offered events/s of the lag phase (0: 80%% of the throughput)")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--orgs", type=int, default=10)
+    parser.add_argument("--writers", type=int, default=2)
+    parser.add_argument("--ids", choices=["random", "ordered"], default="random",
+                        help="request ids: random like the gateway's (req_<uuid4>) or ordered")
+    parser.add_argument("--reset", action="store_true", help="empty the usage tables first")
+    parser.add_argument("--produce", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.produce:
+        produce(args)
+        return
+    print(json.dumps(bench(args)))
+
+
+if __name__ == "__main__":
+    main()
