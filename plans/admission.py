@@ -20,6 +20,12 @@ touches one slot):
   Every admission (and the beat sweep) first releases reservations past their expiry, so a
   crashed gateway's reservations vanish after ``TOLLGATE_RESERVATION_TTL_S`` without a
   worker; settlement removes them earlier.
+- ``tg:q:{o1}:win:<subscription id>``  HASH: a blocking token plan's rolling window (5 hours
+  by default) in micro-credits: ``m<minute since epoch>`` -> credits settled in that minute,
+  ``reserved`` -> credits held by requests in flight (released like budget reservations).
+  Minutes that left the window are trimmed at each admission; the oldest minute still in it
+  counts whole, so the window is never under-counted. Seeded from the ledger
+  (``TokenPlanUsage``, per minute) when the key is missing.
 - ``tg:q:{o1}:prov:<reservation id>``  HASH token bucket of provisioned normalized tokens
   (units x tokens/min per unit); a request that fits is ``provisioned``, else ``spillover``
   (or rejected when the reservation's overflow policy is ``reject``).
@@ -48,7 +54,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid, ttl, est = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local n_rpm, n_tpm, n_bud, n_prov = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
   tonumber(ARGV[7])
-local ki, ai = 3, 8
+local n_win = tonumber(ARGV[8])
+local ki, ai = 3, 9
 local LONG = 40 * 86400000
 
 -- 1. release reservations of requests that never settled (crashed gateways)
@@ -119,6 +126,45 @@ for i = 1, n_bud do
   end
   if hard == 1 then bud[i] = {key, worst} else bud[i] = {key, 0} end
 end
+local win = nil
+if n_win == 1 then
+  local key = KEYS[ki]; ki = ki + 1
+  local limit, worst, wms, seed = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]),
+    tonumber(ARGV[ai + 2]), ARGV[ai + 3]
+  ai = ai + 4
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('HSET', key, 'reserved', 0)
+    for m, v in string.gmatch(seed, '(%S+) (%S+)') do
+      redis.call('HINCRBY', key, 'm' .. m, tonumber(v))
+    end
+    redis.call('PEXPIRE', key, wms + 3600000)
+  end
+  local from = now - wms
+  local h = redis.call('HGETALL', key)
+  local used, reserved, oldest = 0, 0, nil
+  for j = 1, #h, 2 do
+    local f, v = h[j], tonumber(h[j + 1])
+    if f == 'reserved' then
+      reserved = v
+    else
+      local m = tonumber(string.sub(f, 2))
+      if (m + 1) * 60000 <= from then
+        redis.call('HDEL', key, f)
+      else
+        used = used + v
+        if v > 0 and (oldest == nil or m < oldest) then oldest = m end
+      end
+    end
+  end
+  if used + reserved + worst > limit and not reject then
+    reject = 'window'
+    retry = 1000
+    if oldest and used + worst > limit then
+      retry = math.max((oldest + 1) * 60000 + wms - now, 1000)
+    end
+  end
+  win = {key, worst, wms}
+end
 local capacity = 'on_demand'
 local prov = nil
 if n_prov == 1 then
@@ -149,11 +195,16 @@ end
 for i, v in ipairs(tpm) do
   redis.call('HSET', v[1], 't', v[2] - est, 'ts', now); redis.call('PEXPIRE', v[1], 120000)
 end
-if n_bud > 0 then
+if n_bud > 0 or win then
   local parts = {}
   for i, v in ipairs(bud) do
     if v[2] > 0 then redis.call('HINCRBY', v[1], 'reserved', v[2]) end
     parts[#parts + 1] = v[1] .. ' ' .. v[2]
+  end
+  if win then
+    redis.call('HINCRBY', win[1], 'reserved', win[2])
+    redis.call('PEXPIRE', win[1], win[3] + 3600000)
+    parts[#parts + 1] = win[1] .. ' ' .. win[2]
   end
   redis.call('HSET', KEYS[2], rid, table.concat(parts, ' '))
   redis.call('ZADD', KEYS[1], now + ttl, rid)
@@ -170,6 +221,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
 local n_bud, n_tpm, n_prov = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local n_win = tonumber(ARGV[5])
 local v = redis.call('HGET', KEYS[2], rid)
 if v then
   for key, amt in string.gmatch(v, '(%S+) (%S+)') do
@@ -180,12 +232,22 @@ if v then
   redis.call('HDEL', KEYS[2], rid)
   redis.call('ZREM', KEYS[1], rid)
 end
-local ki, ai = 3, 5
+local ki, ai = 3, 6
 for i = 1, n_bud do
   local key = KEYS[ki]; ki = ki + 1
   local actual = tonumber(ARGV[ai]); ai = ai + 1
   if actual > 0 then
     redis.call('HINCRBY', key, 'spent', actual); redis.call('PEXPIRE', key, 40 * 86400000)
+  end
+end
+for i = 1, n_win do
+  local key = KEYS[ki]; ki = ki + 1
+  local actual, wms = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
+  -- A missing key is seeded from the ledger at the next admission (this request included
+  -- once it is ingested); writing here would make a key that skips the seed.
+  if actual > 0 and redis.call('EXISTS', key) == 1 then
+    redis.call('HINCRBY', key, 'm' .. math.floor(now / 60000), actual)
+    redis.call('PEXPIRE', key, wms + 3600000)
   end
 end
 for i = 1, n_tpm + n_prov do
@@ -220,6 +282,40 @@ end
 return #expired
 """
 
+# Report the rate-limit state of a key without taking anything (every /v1 answer that did not
+# go through admission: model lists, errors, refusals before admission). Read-only: the
+# sliding window is counted from ``now - 60 s`` instead of being trimmed.
+PEEK_LUA = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n_rpm, n_tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ki, ai = 1, 3
+local lim_req, rem_req, reset_req = -1, -1, 0
+local lim_tok, rem_tok, reset_tok = -1, -1, 0
+for i = 1, n_rpm do
+  local key, limit = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
+  local live = redis.call('ZRANGEBYSCORE', key, '(' .. (now - 60000), '+inf', 'WITHSCORES',
+    'LIMIT', 0, 1)
+  local count = redis.call('ZCOUNT', key, '(' .. (now - 60000), '+inf')
+  local reset = 0
+  if live[2] then reset = tonumber(live[2]) + 60000 - now end
+  local rem = math.max(limit - count, 0)
+  if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
+end
+for i = 1, n_tpm do
+  local key, cap = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
+  local h = redis.call('HMGET', key, 't', 'ts')
+  local level = cap
+  if h[1] then level = math.min(cap, tonumber(h[1]) + (now - tonumber(h[2])) * cap / 60000) end
+  local rem = math.max(math.floor(level), 0)
+  if rem_tok < 0 or rem < rem_tok then
+    lim_tok, rem_tok = cap, rem
+    reset_tok = math.ceil((cap - math.max(level, 0)) * 60000 / cap)
+  end
+end
+return {lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok}
+"""
+
 
 # --- key names -----------------------------------------------------------------------------
 
@@ -247,6 +343,10 @@ def rpm_key(org_id: int, scope: str) -> str:
 
 def tpm_key(org_id: int, scope: str) -> str:
     return f"{_tag(org_id)}:tpm:{scope}"
+
+
+def window_key(org_id: int, subscription_id: int) -> str:
+    return f"{_tag(org_id)}:win:{subscription_id}"
 
 
 def prov_key(org_id: int, reservation_id: int) -> str:
@@ -279,6 +379,23 @@ class BudgetRule:
 
 
 @dataclass(frozen=True)
+class WindowRule:
+    """A blocking token plan's rolling window: at most ``limit`` credits in any ``hours``."""
+
+    subscription_id: int
+    hours: int
+    limit: Decimal  # credits
+    coefficients: tuple[Decimal, Decimal, Decimal]
+    # plan credits per minute (minutes since the epoch) still in the window when the policy
+    # was read; used only when Redis has no window for the subscription
+    seed: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def window_ms(self) -> int:
+        return self.hours * 3_600_000
+
+
+@dataclass(frozen=True)
 class ProvisionedRule:
     reservation_id: int
     region: str
@@ -303,6 +420,7 @@ class QuotaPolicy:
     provisioned: ProvisionedRule | None = None
     plan_exhausted: str = ""  # non-empty: a blocking token plan is out of credits (why)
     currency: str = "USD"
+    window: WindowRule | None = None
 
 
 class QuotaExceeded(DomainError):
@@ -422,6 +540,7 @@ class Ticket:
     headers: dict[str, str]
     budget_keys: list[str]
     settled: bool = False
+    window_key: str = ""
 
     def settle_args(self, *, prompt_tokens: int, cached_tokens: int,
                     completion_tokens: int) -> tuple[list[str], list[Any]]:
@@ -431,11 +550,16 @@ class Ticket:
                             completion_tokens=completion_tokens)
         keys = [*reservations_keys(p.org_id), *self.budget_keys]
         argv: list[Any] = [self.request_id, len(self.budget_keys), len(p.tpm),
-                           int(self.capacity == "provisioned")]
+                           int(self.capacity == "provisioned"), int(bool(self.window_key))]
         for rule in p.budgets:
             argv.append(cost if rule.coefficients is None else credits_micro(
                 rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                 completion_tokens=completion_tokens))
+        if self.window_key and p.window is not None:
+            keys.append(self.window_key)
+            argv += [credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
+                                   cached_tokens=cached_tokens,
+                                   completion_tokens=completion_tokens), p.window.window_ms]
         used = prompt_tokens + completion_tokens
         for scope, cap in p.tpm:
             keys.append(tpm_key(p.org_id, scope))
@@ -459,7 +583,10 @@ SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
 def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
                 prompt_tokens: int, max_output: int, now: datetime | None = None
                 ) -> tuple[list[str], list[Any], list[str], int, int]:
-    """Return (KEYS, ARGV, budget keys, worst micro, normalized estimate) of one admission."""
+    """Return (KEYS, ARGV, budget keys, worst micro, normalized estimate) of one admission.
+
+    The window key, when the policy has one, follows the budget keys in KEYS.
+    """
     now = now or datetime.now(tz=UTC)
     p = policy
     est = prompt_tokens + max_output
@@ -467,7 +594,7 @@ def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
                              max_output=max_output)
     keys = list(reservations_keys(p.org_id))
     argv: list[Any] = [request_id, RESERVATION_TTL_MS, est, len(p.rpm), len(p.tpm),
-                       len(p.budgets), int(p.provisioned is not None)]
+                       len(p.budgets), int(p.provisioned is not None), int(p.window is not None)]
     keys += [rpm_key(p.org_id, s) for s, _ in p.rpm]
     argv += [limit for _, limit in p.rpm]
     keys += [tpm_key(p.org_id, s) for s, _ in p.tpm]
@@ -479,6 +606,12 @@ def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
             b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
             completion_tokens=max_output)
         argv += [to_micro(b.limit), rule_worst, to_micro(b.spent_seed), int(b.hard)]
+    if p.window is not None:
+        w = p.window
+        keys.append(window_key(p.org_id, w.subscription_id))
+        argv += [to_micro(w.limit), credits_micro(w.coefficients, prompt_tokens=prompt_tokens,
+                                                  cached_tokens=0, completion_tokens=max_output),
+                 w.window_ms, " ".join(f"{m} {v}" for m, v in w.seed)]
     norm = 0
     if p.provisioned is not None:
         r = p.provisioned
@@ -523,6 +656,12 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: list[Any], retry_ms: 
                 f" Buy a credit pack or wait for the next period.",
                 code="plan_quota_exhausted", headers=headers)
         return spend_limit_error(rule, headers)
+    if reason == "window" and policy.window is not None:
+        return QuotaExceeded(
+            f"Your token plan's credits for the rolling {policy.window.hours}-hour window are "
+            f"used up (limit {policy.window.limit.normalize():f} credits, this request may need "
+            f"more than is left). Please try again in {_duration(retry_ms)}.",
+            code="plan_quota_exhausted", headers=headers)
     if reason == "provisioned":
         headers["x-tollgate-capacity"] = "provisioned"
         return QuotaExceeded("Your provisioned capacity is fully used and its overflow policy "
@@ -673,7 +812,9 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         headers["x-tollgate-capacity"] = capacity
     return Ticket(policy=policy, request_id=request_id, tier=tier, zone=zone,
                   estimate_tokens=prompt_tokens + max_output, estimate_norm=norm,
-                  capacity=capacity, headers=headers, budget_keys=bkeys)
+                  capacity=capacity, headers=headers, budget_keys=bkeys,
+                  window_key=(window_key(policy.org_id, policy.window.subscription_id)
+                              if policy.window is not None else ""))
 
 
 async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int = 0,
@@ -685,3 +826,45 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
     keys, argv = ticket.settle_args(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                                     completion_tokens=completion_tokens)
     await _batcher().call(1, keys, argv)
+
+
+# --- read-only state for answers that were not admitted ------------------------------------
+
+Limits = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
+_limits: dict[int, tuple[float, Limits]] = {}
+_peek_script: Any = None
+
+
+async def alimits(*, org_id: int, project_id: int, key_id: int) -> Limits:
+    """Return the key's (rpm, tpm) limits per scope, from a cached policy or PostgreSQL."""
+    import time
+
+    from asgiref.sync import sync_to_async
+
+    from plans.quotas import limits_of
+
+    now = time.monotonic()
+    hit = _limits.get(key_id)
+    if hit is not None and now - hit[0] < POLICY_TTL_S:
+        return hit[1]
+    rpm, tpm, _regions = await sync_to_async(limits_of, thread_sensitive=False)(
+        organization_id=org_id, project_id=project_id, key_id=key_id)
+    if len(_limits) > 50_000:
+        _limits.clear()
+    _limits[key_id] = (now, (rpm, tpm))
+    return rpm, tpm
+
+
+async def apeek_headers(*, org_id: int, project_id: int, key_id: int) -> dict[str, str]:
+    """Return the key's ``x-ratelimit-*`` headers now, consuming nothing."""
+    from billing_platform.redis_conn import get_aredis
+
+    global _peek_script
+    rpm, tpm = await alimits(org_id=org_id, project_id=project_id, key_id=key_id)
+    client = get_aredis()
+    if _peek_script is None:
+        _peek_script = client.register_script(PEEK_LUA)
+    keys = [rpm_key(org_id, s) for s, _ in rpm] + [tpm_key(org_id, s) for s, _ in tpm]
+    argv = [len(rpm), len(tpm), *(v for _, v in rpm), *(v for _, v in tpm)]
+    raw = await _peek_script(keys=keys, args=argv, client=client)
+    return rate_headers(raw)

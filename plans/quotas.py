@@ -23,7 +23,7 @@ import smtplib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -171,6 +171,47 @@ def _plan_rule(org: Organization, model: str, at: datetime) -> admission.BudgetR
                       mine.get("output", zero)))
 
 
+def _window_rule(org: Organization, model: str, at: datetime) -> admission.WindowRule | None:
+    """Return a blocking token plan's rolling window as an admission rule (None otherwise).
+
+    The limit adds the credit packs left, as the period rule does: past the window's room the
+    ledger draws on packs before blocking. The seed is the ledger's plan credits per minute
+    still in the window, used by Redis only when it holds no window for the subscription.
+    """
+    from django.db.models.functions import TruncMinute
+
+    from plans.choices import ANY_MODEL, CapPolicy, PlanKind
+    from plans.models import CreditCoefficient, TokenPlanUsage
+    from plans.selectors import subscription_at, token_plan_status
+
+    sub = subscription_at(organization=org, at=at)
+    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
+            or sub.plan.cap_policy != CapPolicy.BLOCK or sub.plan.window_credits is None):
+        return None
+    coefs: dict[str, dict[str, Decimal]] = {}
+    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
+            "model", "token_class", "coefficient"):
+        coefs.setdefault(m, {})[cls] = c
+    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    if not mine:
+        return None
+    zero = Decimal("0")
+    hours = sub.plan.window_hours
+    rows = (TokenPlanUsage.objects
+            .filter(subscription=sub, event_time__gt=at - timedelta(hours=hours),
+                    event_time__lte=at, plan_credits__gt=0)
+            .annotate(minute=TruncMinute("event_time")).values("minute")
+            .annotate(credits=Sum("plan_credits")).values_list("minute", "credits"))
+    seed = tuple(sorted((int(minute.timestamp()) // 60, admission.to_micro(credits))
+                        for minute, credits in rows))
+    status = token_plan_status(subscription=sub, at=at)
+    packs = status.pack_credits_left if status else zero
+    return admission.WindowRule(
+        subscription_id=sub.id, hours=hours, limit=sub.plan.window_credits + packs,
+        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
+                      mine.get("output", zero)), seed=seed)
+
+
 def _provisioned_for(org_id: int, model: str, at: datetime) -> admission.ProvisionedRule | None:
     from plans.choices import OverflowPolicy
     from plans.selectors import active_reservations
@@ -211,7 +252,8 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
         org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
         budgets=tuple(budgets), pricing=_pricing_for(org, model, now), allowed_regions=regions,
         provisioned=_provisioned_for(organization_id, model, now),
-        plan_exhausted=_plan_exhausted(org, now), currency=org.currency)
+        plan_exhausted=_plan_exhausted(org, now), currency=org.currency,
+        window=_window_rule(org, model, now))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
         @wraps(view)
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             request_id = services.new_request_id()
+            principal = None
             try:
                 if request.method not in methods:
                     raise GatewayError(405, f"Method {request.method} not allowed.",
@@ -42,9 +43,15 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
                 if not principal.has_scope(scope):
                     raise GatewayError(403, f"This API key lacks the '{scope}' scope.",
                                        code="insufficient_scope")
-                return await view(request, principal, request_id, *args, **kwargs)
+                response = await view(request, principal, request_id, *args, **kwargs)
             except GatewayError as exc:
-                return exc.response(request_id)
+                response = exc.response(request_id)
+            if principal is not None and "x-ratelimit-limit-requests" not in response:
+                # Not admitted (model lists, errors, refusals before admission): report the
+                # key's state as it is, like OpenAI does on every response.
+                for name, value in (await services.rate_headers_now(principal)).items():
+                    response.setdefault(name, value)
+            return response
 
         return wrapper
 

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
+from django.db import DatabaseError
 from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
@@ -74,6 +75,18 @@ async def models_for(principal: KeyPrincipal) -> list[str]:
     return sorted(m for m in fleet.router.models()
                   if principal.may_use_model(m)
                   and (zone is None or fleet.router.regions_of(m) & zone))
+
+
+async def rate_headers_now(principal: KeyPrincipal) -> dict[str, str]:
+    """Return the key's ``x-ratelimit-*`` headers without consuming anything ({} if unknown)."""
+    try:
+        return await quota.apeek_headers(org_id=principal.org_id,
+                                         project_id=principal.project_id,
+                                         key_id=principal.key_id)
+    except (RedisError, DatabaseError) as exc:
+        # Informational headers: an answer that is otherwise complete still goes out.
+        log.warning("rate-limit headers skipped: %r", exc)
+        return {}
 
 
 def openai_usage(result: CallResult) -> dict[str, Any]:
