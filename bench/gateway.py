@@ -139,9 +139,11 @@ def start_litellm(sim_url: str) -> tuple[subprocess.Popen | None, str | None]:
     proc = subprocess.Popen([str(LITELLM), "--config", str(cfg), "--port", str(port),
                              "--host", "127.0.0.1", "--num_workers", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # no internet here: use the bundled model cost map
+                            env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(1500):
         try:
             if httpx.get(f"{url}/health/liveliness", timeout=1).status_code == 200:
                 return proc, url
