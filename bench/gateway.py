@@ -35,6 +35,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 from engine_adapter.sim.testing import free_port, start_sim
 
 LITELLM = ROOT / ".tollgate" / "litellm-venv" / "bin" / "litellm"
+ERRORS: list[str] = []
 LITELLM_KEY = "sk-bench-" + os.urandom(16).hex()
 
 
@@ -86,8 +87,13 @@ async def throughput(url: str, headers: dict, *, concurrency: int, seconds: floa
             nonlocal done
             n = 0
             while time.perf_counter() < deadline:
-                await one(http, url, headers, stream=n % 2 == 0, n=w * 100000 + n)
-                done += 1
+                try:
+                    await one(http, url, headers, stream=n % 2 == 0, n=w * 100000 + n)
+                except httpx.TransportError as exc:
+                    # e.g. a keep-alive connection the server closed as it was reused
+                    ERRORS.append(f"{url}: {exc!r}")
+                else:
+                    done += 1
                 n += 1
 
         t0 = time.perf_counter()
@@ -140,15 +146,19 @@ def start_litellm(sim_url: str) -> tuple[subprocess.Popen | None, str | None]:
                              "--host", "127.0.0.1", "--num_workers", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True,
-                            # no internet here: use the bundled model cost map
-                            env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+                            # no internet here: the bundled cost map; and not our database
+                            env={**{k: v for k, v in os.environ.items()
+                                    if k not in ("DATABASE_URL", "REDIS_URL")},
+                                 "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1500):
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{url}/health/liveliness", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.5)
     proc.kill()
     log("LiteLLM did not start; skipping that column")
     return None, None
@@ -215,6 +225,8 @@ def main() -> None:
         "throughput_ratio_vs_litellm": (round(rps["gateway"] / rps["litellm"], 3)
                                         if "litellm" in rps else None),
         "rps": {k: round(v, 1) for k, v in rps.items()},
+        "transport_errors": ERRORS[:10], "transport_error_count": len(ERRORS),
+        "targets": {name: url for name, (url, _h) in targets.items()},
         "latency_ms": {k: {m: round(x, 3) for m, x in v.items()} for k, v in lat.items()},
     }), flush=True)
 
