@@ -1,21 +1,14 @@
-"""Enumerations of the metering app."""
+"""Enumerations of the metering app.
+
+Service tiers and capacity sources are pricing dimensions: they are defined once, in
+``plans.choices``, and re-exported here for metering's models and serializers.
+"""
 
 from django.db import models
 
+from plans.choices import CapacitySource, ServiceTier
 
-class ServiceTier(models.TextChoices):
-    DEFAULT = "default", "Default (standard)"
-    PRIORITY = "priority", "Priority"
-    FLEX = "flex", "Flex"
-    BATCH = "batch", "Batch"
-
-
-class CapacitySource(models.TextChoices):
-    ON_DEMAND = "on_demand", "On demand"
-    PROVISIONED = "provisioned", "Provisioned units"
-    SPILLOVER = "spillover", "Spillover from provisioned"
-    PLAN = "plan", "Subscription token plan"
-    OVERAGE = "overage", "Plan overage"
+__all__ = ["CapacitySource", "EventSource", "EventStatus", "ServiceTier"]
 
 
 class EventStatus(models.TextChoices):
