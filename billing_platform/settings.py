@@ -147,7 +147,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": "INFO"},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"},
+                # one line per engine health probe is noise; failures still show
+                "httpx": {"level": "WARNING"}},
 }
 
 # Gateway: largest /v1 JSON body accepted (413 above it).
