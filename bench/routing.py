@@ -194,6 +194,16 @@ async def run_sglang_router(urls: list[str], model: str, convs, *, concurrency: 
                 pass
             await asyncio.sleep(0.2)
         async with httpx.AsyncClient(timeout=600) as http:
+            # The router answers /health before it has registered its workers: wait for them.
+            for _ in range(240):
+                probe = await http.post(f"{base}/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": "ping"}],
+                    "max_tokens": 1})
+                if probe.status_code == 200:
+                    break
+                await asyncio.sleep(0.5)
+            flush(urls)
+
             async def send(tenant, messages):
                 r = await http.post(f"{base}/v1/chat/completions", json={
                     "model": model, "messages": messages, "max_tokens": max_tokens,
@@ -245,6 +255,8 @@ def main() -> None:
     p.add_argument("--engine-tokens", type=int, default=60000, help="KV tokens per sim engine")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--bound", type=float, default=1.5, help="cache_aware load bound")
+    p.add_argument("--sglang-conversations", type=int, default=48,
+                   help="conversations on the real SGLang fleet (CPU engines are slow)")
     args = p.parse_args()
 
     if args.fleet in ("sim", "both"):
@@ -269,8 +281,8 @@ async def bench_sglang(args) -> dict:
     from engine_adapter import sglang_cpu
 
     paths = sglang_cpu.ensure_ready(log=lambda m: log(f"sglang-cpu: {m}"))
-    convs = make_workload(tenants=6, conversations=24, turns=3, system_chars=1200,
-                          seed=args.seed)
+    convs = make_workload(tenants=6, conversations=args.sglang_conversations, turns=3,
+                          system_chars=1200, seed=args.seed)
     procs, urls = [], []
     for _ in range(2):
         port = free_port()
