@@ -3,7 +3,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from billing_platform.console import settings_views, views
+from billing_platform.console import settings_views, usage_views, views
 
 app_name = "console"
 
@@ -28,4 +28,5 @@ urlpatterns = [
     path("invoices/<str:invoice_id>/csv/", views.invoice_document, {"fmt": "csv"},
          name="invoice-csv"),
     path("settings/", settings_views.quota_settings, name="settings"),
+    path("usage/", usage_views.usage, name="usage"),
 ]
