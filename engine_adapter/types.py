@@ -6,7 +6,7 @@ by the ``Router`` and hands it back to the ``EngineClient``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 
 
@@ -67,7 +67,6 @@ class CallResult:
     cost_to_serve: Decimal = Decimal("0")
     attempts: int = 1
     response_id: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class EngineError(Exception):

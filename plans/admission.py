@@ -48,17 +48,13 @@ from billing_platform.errors import DomainError
 RESERVATION_TTL_MS = int(settings.QUOTA_RESERVATION_TTL_S * 1000)
 MICRO = Decimal("1000000")
 
-ADMIT_LUA = r"""
+# Shared by the scripts: Redis time in ms, and the release of reservations whose requests
+# never settled (crashed gateways). KEYS[1] is the reservation index, KEYS[2] their amounts.
+REDIS_NOW_LUA = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rid, ttl, est = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n_rpm, n_tpm, n_bud, n_prov = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-  tonumber(ARGV[7])
-local n_win = tonumber(ARGV[8])
-local ki, ai = 3, 9
-local LONG = 40 * 86400000
-
--- 1. release reservations of requests that never settled (crashed gateways)
+"""
+RELEASE_EXPIRED_LUA = r"""
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 for _, id in ipairs(expired) do
   local v = redis.call('HGET', KEYS[2], id)
@@ -72,6 +68,18 @@ for _, id in ipairs(expired) do
   end
   redis.call('ZREM', KEYS[1], id)
 end
+"""
+
+ADMIT_LUA = REDIS_NOW_LUA + r"""
+local rid, ttl, est = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local n_rpm, n_tpm, n_bud, n_prov = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
+  tonumber(ARGV[7])
+local n_win = tonumber(ARGV[8])
+local ki, ai = 3, 9
+local LONG = 40 * 86400000
+
+-- 1. release reservations of requests that never settled (crashed gateways)
+""" + RELEASE_EXPIRED_LUA + r"""
 
 -- 2. check everything; write nothing yet
 local reject, retry = false, 0
@@ -216,9 +224,7 @@ end
 return {1, '', 0, capacity, unpack(headers)}
 """
 
-SETTLE_LUA = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+SETTLE_LUA = REDIS_NOW_LUA + r"""
 local rid = ARGV[1]
 local n_bud, n_tpm, n_prov = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local n_win = tonumber(ARGV[5])
@@ -263,31 +269,14 @@ return v and 1 or 0
 """
 
 # Release expired reservations of one org without admitting anything (the beat sweep).
-PURGE_LUA = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for _, id in ipairs(expired) do
-  local v = redis.call('HGET', KEYS[2], id)
-  if v then
-    for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-      if amt ~= '0' and redis.call('EXISTS', key) == 1 then
-        redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
-      end
-    end
-    redis.call('HDEL', KEYS[2], id)
-  end
-  redis.call('ZREM', KEYS[1], id)
-end
+PURGE_LUA = REDIS_NOW_LUA + RELEASE_EXPIRED_LUA + r"""
 return #expired
 """
 
 # Report the rate-limit state of a key without taking anything (every /v1 answer that did not
 # go through admission: model lists, errors, refusals before admission). Read-only: the
 # sliding window is counted from ``now - 60 s`` instead of being trimmed.
-PEEK_LUA = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+PEEK_LUA = REDIS_NOW_LUA + r"""
 local n_rpm, n_tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local ki, ai = 1, 3
 local lim_req, rem_req, reset_req = -1, -1, 0

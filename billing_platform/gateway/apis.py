@@ -1,8 +1,8 @@
 """The OpenAI-compatible /v1 endpoints, as async Django views.
 
-Async Django views rather than a separate ASGI app: one URL map, one auth path and one
-deployment; the gateway's own work (auth cache hit, validation, relay) stays on the event loop,
-so the added latency is what bench/gateway.py measures, not a thread hop per chunk.
+They are served by the lean ASGI route in ``gateway/asgi.py`` (no Django middleware, no thread
+per request), keeping Django's URL map, request objects and one auth path; the gateway's own
+work (auth cache hit, validation, admission, relay, metering) stays on the event loop.
 """
 
 from __future__ import annotations

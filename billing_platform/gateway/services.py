@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,7 +48,6 @@ class Served:
     headers: dict[str, str]
     body: dict[str, Any] | None = None
     stream: AsyncIterator[bytes] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 async def allowed_regions_for(principal: KeyPrincipal, model: str) -> set[str] | None:
@@ -99,11 +98,26 @@ def openai_usage(result: CallResult) -> dict[str, Any]:
     }
 
 
+def _object_id(kind: str, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
+def openai_body(call: EngineCall, *, kind: str, request_id: str, tier: str) -> dict[str, Any]:
+    """Return a finished non-streaming engine answer in OpenAI's shape (our id, tier, usage)."""
+    body = call.body or {}
+    body.update(id=_object_id(kind, request_id), service_tier=tier,
+                usage=openai_usage(call.result))
+    body.pop("metadata", None)
+    return body
+
+
 def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
-                engine: EngineInfo | None, result: CallResult | None, status: str,
-                started: datetime, capacity: str = "on_demand") -> dict[str, Any]:
-    """Build the usage event of one request from the ENGINE's counts."""
-    billable = result is not None and status != "engine_error_before_output"
+                engine: EngineInfo | None, result: CallResult | None, started: datetime,
+                capacity: str = "on_demand") -> dict[str, Any]:
+    """Build the usage event of one request from the ENGINE's counts.
+
+    ``result`` None means the engine failed before any output: an unbilled ``engine_error``.
+    """
     return {
         "request_id": request_id,
         "org_id": principal.org_id,
@@ -115,13 +129,13 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
         "engine": engine.engine_id if engine else "",
         "service_tier": tier,
         "capacity_source": capacity,
-        "prompt_tokens": result.prompt_tokens if billable else 0,
-        "cached_tokens": result.cached_tokens if billable else 0,
-        "completion_tokens": result.completion_tokens if billable else 0,
+        "prompt_tokens": result.prompt_tokens if result else 0,
+        "cached_tokens": result.cached_tokens if result else 0,
+        "completion_tokens": result.completion_tokens if result else 0,
         "queue_ms": round(result.queue_ms) if result else None,
         "ttft_ms": round(result.ttft_ms) if result and result.ttft_ms is not None else None,
         "total_ms": round(result.total_ms) if result else None,
-        "status": "engine_error" if status == "engine_error_before_output" else status,
+        "status": result.status if result else "engine_error",
         "cost_to_serve": str(result.cost_to_serve) if result else "0",
         "event_time": started.isoformat(),
     }
@@ -132,6 +146,39 @@ async def _append(event: dict[str, Any]) -> None:
 
     # Shielded: a client that disconnects must not cancel the durable append.
     await asyncio.shield(ausage_event_append(event))
+
+
+@dataclass
+class _Accounting:
+    """What metering and settlement need to know about one admitted request."""
+
+    principal: KeyPrincipal
+    request_id: str
+    model: str
+    tier: str
+    started: datetime
+    capacity: str
+    ticket: quota.Ticket | None
+
+    def _event(self, engine: EngineInfo | None, result: CallResult | None) -> dict[str, Any]:
+        return usage_event(principal=self.principal, request_id=self.request_id,
+                           model=self.model, tier=self.tier, engine=engine, result=result,
+                           started=self.started, capacity=self.capacity)
+
+    async def failed_before_output(self, engine: EngineInfo | None) -> None:
+        """Record an unbilled engine_error event and release the admission."""
+        try:
+            await _append(self._event(engine, None))
+        finally:
+            await _settle(self.ticket, None)
+
+    async def close(self, call: EngineCall) -> None:
+        """End the engine call, record its usage durably, settle the admission."""
+        try:
+            await call.__aexit__(None, None, None)
+            await _append(self._event(call.tried[-1], call.result))
+        finally:
+            await _settle(self.ticket, call.result)
 
 
 async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
@@ -148,7 +195,9 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     if ticket is not None and ticket.capacity == "provisioned" and policy.provisioned:
         allowed = {policy.provisioned.region}
     rate_headers = ticket.headers if ticket is not None else {}
-    capacity = ticket.capacity if ticket is not None else "on_demand"
+    accounting = _Accounting(principal=principal, request_id=request_id, model=req.model,
+                             tier=tier, started=started, ticket=ticket,
+                             capacity=ticket.capacity if ticket is not None else "on_demand")
     fleet = get_fleet()
     call = fleet.client.call(
         model=req.model, path=PATHS[req.kind], body=req.engine_body,
@@ -161,12 +210,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
         await _settle(ticket, None)
         raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
     except EngineError as exc:
-        engine = call.tried[-1] if call.tried else None
-        await _append(usage_event(principal=principal, request_id=request_id, model=req.model,
-                                  tier=tier, engine=engine, result=None,
-                                  status="engine_error_before_output", started=started,
-                                  capacity=capacity))
-        await _settle(ticket, None)
+        await accounting.failed_before_output(call.tried[-1] if call.tried else None)
         raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
     except BaseException:
         await _settle(ticket, None)
@@ -174,25 +218,14 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     engine = call.tried[-1]
     headers = {"x-request-id": request_id, "x-tollgate-region": engine.region,
                "openai-model": req.model, **rate_headers}
-    object_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{request_id[4:]}"
-    if not req.stream:
-        try:
-            await call.__aexit__(None, None, None)
-            result = call.result
-            body = call.body or {}
-            body.update(id=object_id, service_tier=tier, usage=openai_usage(result))
-            body.pop("metadata", None)
-            await _append(usage_event(principal=principal, request_id=request_id,
-                                      model=req.model, tier=tier, engine=engine, result=result,
-                                      status=result.status, started=started,
-                                      capacity=capacity))
-        finally:
-            await _settle(ticket, call.result if call.result is not None else None)
-        return Served(headers=headers, body=body)
-    return Served(headers=headers, stream=_relay(call, req=req, principal=principal,
-                                                 request_id=request_id, tier=tier,
-                                                 object_id=object_id, started=started,
-                                                 ticket=ticket, capacity=capacity))
+    object_id = _object_id(req.kind, request_id[4:])
+    if req.stream:
+        return Served(headers=headers, stream=_relay(call, req=req, tier=tier,
+                                                     object_id=object_id,
+                                                     accounting=accounting))
+    await accounting.close(call)
+    return Served(headers=headers, body=openai_body(call, kind=req.kind,
+                                                    request_id=request_id[4:], tier=tier))
 
 
 def _with_headers(exc: GatewayError, headers: dict[str, str]) -> GatewayError:
@@ -302,27 +335,16 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _relay(call: EngineCall, *, req: InferenceRequest, principal: KeyPrincipal,
-                 request_id: str, tier: str, object_id: str, started: datetime,
-                 ticket: quota.Ticket | None = None,
-                 capacity: str = "on_demand") -> AsyncIterator[bytes]:
+async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_id: str,
+                 accounting: _Accounting) -> AsyncIterator[bytes]:
     """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
-    engine = call.tried[-1]
     metered = False
 
     async def meter() -> None:
         nonlocal metered
         if not metered:
             metered = True
-            try:
-                await call.__aexit__(None, None, None)
-                result = call.result
-                await _append(usage_event(principal=principal, request_id=request_id,
-                                          model=req.model, tier=tier, engine=engine,
-                                          result=result, status=result.status,
-                                          started=started, capacity=capacity))
-            finally:
-                await _settle(ticket, call.result)
+            await accounting.close(call)
 
     error_frame = None
     t0 = time.monotonic()

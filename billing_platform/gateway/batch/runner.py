@@ -27,7 +27,7 @@ from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineS
 from billing_platform.gateway.services import (
     PATHS,
     allowed_regions_for,
-    openai_usage,
+    openai_body,
     usage_event,
 )
 from engine_adapter.registry import Fleet
@@ -134,14 +134,9 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
         message = (result.error if result else None) or "the engine failed"
         return LineOutcome(line.id, state=LineState.FAILED, status_code=502,
                            error={"code": "engine_error", "message": message})
-    body = call.body or {}
-    kind = "chatcmpl" if req.kind == "chat" else "cmpl"
-    body.update(id=f"{kind}-{line.request_id}", service_tier="batch",
-                usage=openai_usage(result))
-    body.pop("metadata", None)
+    body = openai_body(call, kind=req.kind, request_id=line.request_id, tier="batch")
     event = usage_event(principal=principal, request_id=line.request_id, model=req.model,
-                        tier="batch", engine=call.tried[-1], result=result,
-                        status=result.status, started=started)
+                        tier="batch", engine=call.tried[-1], result=result, started=started)
     event["batch_id"] = batch.public_id
     return LineOutcome(line.id, status_code=200, response=body, usage=event)
 
