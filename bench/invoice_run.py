@@ -6,7 +6,7 @@ with one ``INSERT ... SELECT generate_series`` per slice of organizations (SQL, 
 then times ``invoicing.services.period_close_run`` closing the month for all of them, exactly
 as the beat task does (without enqueueing charges unless ``--enqueue``). It then checks the
 result: one invoice per organization, and the invoices' total equals the rollups' amounts
-rounded once per (org, model, region, tier, source) line.
+rounded once per (org, model, region, tier, source, token class) line.
 
 Prints one JSON line: ``{"orgs", "seconds", "orgs_per_s", "rollup_rows", "invoices",
 "lines", "check", "setup_seconds"}``.
@@ -88,13 +88,16 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
                     (organization_id, project_id, api_key_id, model, region, service_tier,
                      capacity_source, currency, hour, requests, error_requests,
                      aborted_requests, prompt_tokens, cached_tokens, completion_tokens,
-                     normalized_tokens, amount, credits_consumed, cost_to_serve)
+                     normalized_tokens, amount, credits_consumed, cost_to_serve,
+                     input_amount, cached_input_amount, output_amount)
                 SELECT o, o, NULL, (%s::text[])[m], 'us-east', 'default', 'on_demand', 'USD',
                        %s::timestamptz + make_interval(hours => h),
                        1 + (o + h + m) %% 7, 0, 0,
                        1000 * (1 + (o * 7 + h * 13 + m) %% 97), 100 * ((o + h) %% 10),
                        300 * (1 + (o + h * 3 + m) %% 31), 0,
-                       ((o * 7 + h * 13 + m * 17) %% 1000) * 0.0001234567, 0, 0
+                       ((o * 7 + h * 13 + m * 17) %% 1000) * 0.0001234567, 0, 0,
+                       ((o * 7 + h * 13 + m * 17) %% 1000) * 0.0000234567, 0,
+                       ((o * 7 + h * 13 + m * 17) %% 1000) * 0.0001
                   FROM generate_series(%s, %s) AS o,
                        generate_series(0, %s) AS h,
                        generate_series(1, %s) AS m""",
@@ -119,7 +122,8 @@ def check(orgs: int) -> dict:
     with connection.cursor() as cur:
         cur.execute("""
             SELECT sum(line) FROM (
-                SELECT round(sum(amount), 2) AS line FROM usage_rollup_hourly
+                SELECT round(sum(input_amount), 2) + round(sum(cached_input_amount), 2)
+                       + round(sum(output_amount), 2) AS line FROM usage_rollup_hourly
                  WHERE hour >= %s AND hour < %s
                  GROUP BY organization_id, model, region, service_tier, capacity_source) x""",
                     [PERIOD_START, PERIOD_END])

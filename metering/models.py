@@ -130,6 +130,11 @@ class UsageRollupHourly(models.Model):
     completion_tokens = models.PositiveBigIntegerField(default=0)
     normalized_tokens = models.PositiveBigIntegerField(default=0)
     amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    # ``amount`` split by token class (sums of the events' ``rating_breakdown``), so invoices
+    # can show a line per token class with its quantity and unit price.
+    input_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    cached_input_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    output_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
     credits_consumed = models.DecimalField(**AMOUNT, default=Decimal("0"))
     cost_to_serve = models.DecimalField(**AMOUNT, default=Decimal("0"))
 

@@ -87,10 +87,11 @@ ROLLUP_KEY = ("organization_id", "project_id", "api_key_id", "model", "region", 
               "capacity_source", "currency", "hour")
 ROLLUP_SUMS = ("requests", "error_requests", "aborted_requests", "prompt_tokens",
                "cached_tokens", "completion_tokens", "normalized_tokens", "amount",
-               "credits_consumed", "cost_to_serve")
+               "credits_consumed", "cost_to_serve", "input_amount", "cached_input_amount",
+               "output_amount")
 _ROLLUP_TYPES = ("bigint", "bigint", "bigint", "text", "text", "text", "text", "text",
                  "timestamptz", "bigint", "bigint", "bigint", "bigint", "bigint", "bigint",
-                 "bigint", "numeric", "numeric", "numeric")
+                 "bigint", "numeric", "numeric", "numeric", "numeric", "numeric", "numeric")
 # only our own column names are interpolated
 UPSERT_ROLLUPS = f"""
 INSERT INTO usage_rollup_hourly ({", ".join(ROLLUP_KEY + ROLLUP_SUMS)})
@@ -107,6 +108,7 @@ ON CONFLICT ON CONSTRAINT usage_rollup_hourly_key DO UPDATE SET
 TRANSIENT = (OperationalError, InterfaceError, ProgrammingError, NotImplementedError)
 RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
 _N = "\\N"
+_ZERO = Decimal(0)
 
 
 @dataclass
@@ -188,7 +190,8 @@ class _Rollups:
                when[:13])
         acc = self.sums.get(key)
         if acc is None:
-            acc = self.sums[key] = [0, 0, 0, 0, 0, 0, 0, Decimal(0), Decimal(0), Decimal(0)]
+            acc = self.sums[key] = [0, 0, 0, 0, 0, 0, 0, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO,
+                                    _ZERO]
         status = r[16]
         acc[0] += 1
         if status != "ok":
@@ -200,6 +203,10 @@ class _Rollups:
         acc[7] += rating.amount
         acc[8] += rating.credits_consumed
         acc[9] += Decimal(r[17])
+        lines = rating.breakdown
+        acc[10] += lines.get("input", _ZERO)
+        acc[11] += lines.get("cached_input", _ZERO)
+        acc[12] += lines.get("output", _ZERO)
 
     def columns(self) -> list[list]:
         keys = sorted(self.sums, key=lambda k: (k[0], k[1], k[2] or 0, *k[3:]))

@@ -31,6 +31,7 @@ class LineSerializer(serializers.Serializer):
     region = serializers.CharField()
     service_tier = serializers.CharField()
     capacity_source = serializers.CharField()
+    token_class = serializers.CharField()
     source_period_start = serializers.DateTimeField(allow_null=True)
     source_period_end = serializers.DateTimeField(allow_null=True)
     quantity = serializers.DecimalField(max_digits=30, decimal_places=6)

@@ -23,6 +23,7 @@ from django.db.models import Q
 
 from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
 from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
+from plans.choices import TokenClass
 from plans.models import CreditPackPurchase, Reservation, Subscription
 from plans.selectors import reservation_fee_for_period
 
@@ -31,6 +32,7 @@ MILLION = Decimal(1_000_000)
 PRECISE = Decimal("1E-10")
 
 TIER_LABELS = {"default": "standard", "priority": "priority", "flex": "flex", "batch": "batch"}
+CLASS_LABELS = {"input": "input", "cached_input": "cached input", "output": "output"}
 SOURCE_LABELS = {
     "on_demand": "", "spillover": "spillover from reserved units",
     "provisioned": "reserved units (no per-token charge)",
@@ -62,6 +64,7 @@ class DraftLine:
     region: str = ""
     service_tier: str = ""
     capacity_source: str = ""
+    token_class: str = ""
     source_period_start: datetime | None = None
     source_period_end: datetime | None = None
     details: dict = field(default_factory=dict)
@@ -81,6 +84,23 @@ class UsageSum:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    input_amount: Decimal
+    cached_input_amount: Decimal
+    output_amount: Decimal
+
+    def by_token_class(self) -> list[tuple[str, int, Decimal]]:
+        """Return (token class, tokens, exact amount) for each class, in invoice order."""
+        return [(TokenClass.INPUT.value, self.prompt_tokens - self.cached_tokens,
+                 self.input_amount),
+                (TokenClass.CACHED_INPUT.value, self.cached_tokens, self.cached_input_amount),
+                (TokenClass.OUTPUT.value, self.completion_tokens, self.output_amount)]
+
+
+# The summed columns of a UsageSum, in the order the SQL below selects them.
+_SUMS = ("amount", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
+         "input_amount", "cached_input_amount", "output_amount")
+_CORE_SUMS = 5  # amount, requests and token counts; then the amount split by class
+_SUM_SQL = ", ".join(f"SUM(r.{c})" for c in _SUMS)
 
 
 @dataclass(slots=True)
@@ -129,46 +149,55 @@ class DraftInvoice:
             self.add(LineKind.CREDIT, "Credits applied", -applied)
 
 
-def _usage_line(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = None) -> None:
-    tokens = u.prompt_tokens + u.completion_tokens
+def _usage_lines(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = None) -> None:
+    """Append one line per token class of ``u`` (model x tier x region x capacity source).
+
+    The unit price is the effective price per 1M tokens (amount / tokens): the price book's
+    price x tier x zone multipliers, or a blend where prices changed within the period.
+    """
     parts = [u.model, TIER_LABELS.get(u.service_tier, u.service_tier), u.region]
     if SOURCE_LABELS.get(u.capacity_source):
         parts.append(SOURCE_LABELS[u.capacity_source])
-    description = " · ".join(p for p in parts if p)
+    prefix = " · ".join(p for p in parts if p)
     kind = LineKind.USAGE
     extra = {}
     if late_from is not None:
         kind = LineKind.LATE_USAGE
-        description = f"Late usage from {late_from[0]:%Y-%m-%d} to {late_from[1]:%Y-%m-%d}: " \
-                      f"{description}"
+        prefix = f"Late usage from {late_from[0]:%Y-%m-%d} to {late_from[1]:%Y-%m-%d}: {prefix}"
         extra = {"source_period_start": late_from[0], "source_period_end": late_from[1]}
-    unit_price = (EXACT.divide(u.amount * MILLION, tokens).quantize(PRECISE, context=EXACT)
-                  if tokens else None)
-    draft.add(kind, description[:300], u.amount, quantity=Decimal(tokens), unit="tokens",
-              unit_price=unit_price, model=u.model, region=u.region,
-              service_tier=u.service_tier, capacity_source=u.capacity_source,
-              details={"requests": u.requests, "input_tokens": u.prompt_tokens - u.cached_tokens,
-                       "cached_input_tokens": u.cached_tokens,
-                       "output_tokens": u.completion_tokens}, **extra)
+    classes = u.by_token_class()
+    rest = u.amount - sum((amount for _, _, amount in classes), ZERO)
+    if rest:
+        # Rollups written before amounts were split by class: bill the remainder as its own
+        # line so the invoice still equals its events.
+        classes.append(("", 0, rest))
+    for token_class, tokens, amount in classes:
+        if not tokens and not amount:
+            continue
+        unit_price = (EXACT.divide(amount * MILLION, tokens).quantize(PRECISE, context=EXACT)
+                      if tokens else None)
+        label = CLASS_LABELS.get(token_class, "other usage")
+        draft.add(kind, f"{prefix} · {label}"[:300], amount, quantity=Decimal(tokens),
+                  unit="tokens", unit_price=unit_price, model=u.model, region=u.region,
+                  service_tier=u.service_tier, capacity_source=u.capacity_source,
+                  token_class=token_class, details={"requests": u.requests}, **extra)
 
 
 # One aggregate per organization (LATERAL): each is a small in-memory hash over one org's
 # index range, where one big GROUP BY over the whole chunk spilled a sort of millions of rows
 # to disk (measured 2x slower at 500 orgs x 3,600 rollup rows).
-_USAGE_SQL = """
+_USAGE_SQL = f"""
 SELECT p.org, a.*
   FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[]) AS p(org, ps, pe, cur)
  CROSS JOIN LATERAL (
-        SELECT r.model, r.region, r.service_tier, r.capacity_source, r.currency,
-               SUM(r.amount), SUM(r.requests), SUM(r.prompt_tokens), SUM(r.cached_tokens),
-               SUM(r.completion_tokens)
+        SELECT r.model, r.region, r.service_tier, r.capacity_source, r.currency, {_SUM_SQL}
           FROM usage_rollup_hourly r
          WHERE r.organization_id = p.org AND r.hour >= p.ps AND r.hour < p.pe
          GROUP BY 1, 2, 3, 4, 5
          ORDER BY 1, 3, 2, 4) a
-"""
+"""  # noqa: S608 (only our own column names are interpolated)
 
-_LATE_SQL = """
+_LATE_SQL = f"""
 WITH p AS (
     SELECT i.organization_id AS org, i.period_start AS ps, i.period_end AS pe, i.currency AS cur
       FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, start)
@@ -178,22 +207,27 @@ WITH p AS (
 )
 SELECT p.org, p.ps, p.pe, a.*
   FROM p CROSS JOIN LATERAL (
-        SELECT r.model, r.region, r.service_tier, r.capacity_source,
-               SUM(r.amount), SUM(r.requests), SUM(r.prompt_tokens), SUM(r.cached_tokens),
-               SUM(r.completion_tokens)
+        SELECT r.model, r.region, r.service_tier, r.capacity_source, {_SUM_SQL}
           FROM usage_rollup_hourly r
          WHERE r.organization_id = p.org AND r.hour >= p.ps AND r.hour < p.pe
            AND r.currency = p.cur
          GROUP BY 1, 2, 3, 4) a
-"""
+"""  # noqa: S608
 
-_BILLED_SQL = """
+_BILLED_SQL = f"""
 SELECT organization_id, source_period_start, model, region, service_tier, capacity_source,
-       SUM(amount), SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens)
-  FROM invoicing_billedusage
+       {_SUM_SQL}
+  FROM invoicing_billedusage r
  WHERE organization_id = ANY(%s) AND source_period_start >= %s
  GROUP BY 1, 2, 3, 4, 5, 6
-"""
+"""  # noqa: S608
+
+
+def _usage_sum(period_start: datetime, model: str, region: str, tier: str, source: str,
+               sums: list) -> UsageSum:
+    amount, req, prompt, cached, completion, in_amount, cached_amount, out_amount = sums
+    return UsageSum(period_start, model, region, tier, source, amount, int(req), int(prompt),
+                    int(cached), int(completion), in_amount, cached_amount, out_amount)
 
 
 def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
@@ -202,8 +236,8 @@ def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
     with connection.cursor() as cur:
         cur.execute(_USAGE_SQL, [[t.org_id for t in targets], [t.period_start for t in targets],
                                  [t.period_end for t in targets], [t.currency for t in targets]])
-        for org, model, region, tier, source, currency, amount, req, prompt, cached, \
-                completion in cur:
+        for org, model, region, tier, source, currency, *sums in cur:
+            amount = sums[0]
             if currency != by_org[org].currency:
                 # Rated in another currency than the org is invoiced in (a plan in another
                 # currency): never convert silently; finance must see it.
@@ -211,9 +245,8 @@ def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
                           org, amount, currency, model, by_org[org].period_start.date(),
                           by_org[org].currency)
                 continue
-            out[org].append(UsageSum(by_org[org].period_start, model, region, tier, source,
-                                     amount, int(req), int(prompt), int(cached),
-                                     int(completion)))
+            out[org].append(_usage_sum(by_org[org].period_start, model, region, tier, source,
+                                       sums))
     return out
 
 
@@ -225,8 +258,8 @@ def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
     seen: dict[tuple, tuple[datetime, list]] = {}
     with connection.cursor() as cur:
         cur.execute(_LATE_SQL, [ids, [t.period_start for t in targets], lookback])
-        for org, ps, pe, *dims, amount, req, prompt, cached, completion in cur:
-            seen[(org, ps, *dims)] = (pe, [amount, req, prompt, cached, completion])
+        for org, ps, pe, model, region, tier, source, *sums in cur:
+            seen[(org, ps, model, region, tier, source)] = (pe, sums)
         if not seen:
             return {}
         cur.execute(_BILLED_SQL, [ids, since])
@@ -237,12 +270,12 @@ def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
         org, ps, model, region, tier, source = key
         if ps >= starts[org]:
             continue
-        done = billed.get(key, [ZERO, 0, 0, 0, 0])
+        done = billed.get(key, [0] * len(_SUMS))
         diff = [a - b for a, b in zip(sums, done, strict=True)]
-        if any(diff):
-            amount, *counts = diff
-            out[org].append((pe, UsageSum(ps, model, region, tier, source, amount,
-                                          *(int(c) for c in counts))))
+        # Late usage is new amount or new tokens; the class split alone differing means only
+        # a ledger row written before the split existed (see invoicing migration 0003).
+        if any(diff[:_CORE_SUMS]):
+            out[org].append((pe, _usage_sum(ps, model, region, tier, source, diff)))
     return out
 
 
@@ -282,8 +315,8 @@ def _packs(targets: list[Target]) -> dict[int, list[CreditPackPurchase]]:
 def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
     """Return the invoice of each target's period, before credits, keyed by organization id.
 
-    Lines, in order: usage (model, tier, region, source), late usage, plan fees, reservation
-    fees, credit packs, then tax. Credits are applied when the invoice is finalized.
+    Lines, in order: usage (model, tier, region, source, token class), late usage, plan fees,
+    reservation fees, credit packs, then tax. Credits are applied when the invoice is finalized.
     """
     if not targets:
         return {}
@@ -293,10 +326,10 @@ def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
     for t in targets:
         draft = drafts[t.org_id] = DraftInvoice(t)
         for u in usage.get(t.org_id, ()):
-            _usage_line(draft, u)
+            _usage_lines(draft, u)
             draft.billed.append(u)
         for pe, u in late.get(t.org_id, ()):
-            _usage_line(draft, u, late_from=(u.source_period_start, pe))
+            _usage_lines(draft, u, late_from=(u.source_period_start, pe))
             draft.billed.append(u)
         for sub in subs.get(t.org_id, ()):
             plan = sub.plan

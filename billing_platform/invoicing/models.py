@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from billing_platform.accounts.models import Organization, public_id
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
+from plans.choices import TokenClass
 
 ZERO = Decimal("0")
 
@@ -128,8 +129,9 @@ class Invoice(models.Model):
 class InvoiceLine(models.Model):
     """One line: quantity x unit price (informative), exact amount, amount rounded once.
 
-    Usage lines are per model x region x service tier x capacity source; ``details`` holds the
-    token counts per class (uncached input, cached input, output) and request count.
+    Usage lines are per model x region x service tier x capacity source x token class
+    (uncached input, cached input, output): ``quantity`` tokens at ``unit_price`` per 1M
+    tokens; ``details`` holds the request count.
     """
 
     invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
@@ -140,6 +142,8 @@ class InvoiceLine(models.Model):
     region = models.CharField(max_length=64, blank=True, default="")
     service_tier = models.CharField(max_length=16, blank=True, default="")
     capacity_source = models.CharField(max_length=16, blank=True, default="")
+    token_class = models.CharField(max_length=16, blank=True, default="",
+                                   choices=TokenClass.choices)
     source_period_start = models.DateTimeField(null=True, blank=True)
     source_period_end = models.DateTimeField(null=True, blank=True)
     quantity = models.DecimalField(max_digits=30, decimal_places=6, default=ZERO)
@@ -174,6 +178,9 @@ class BilledUsage(models.Model):
     prompt_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
+    input_amount = _precise(default=ZERO)
+    cached_input_amount = _precise(default=ZERO)
+    output_amount = _precise(default=ZERO)
 
     class Meta:
         indexes = [models.Index(fields=["organization_id", "source_period_start"])]

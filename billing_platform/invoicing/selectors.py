@@ -11,8 +11,8 @@ from billing_platform.invoicing.builder import DraftInvoice
 from billing_platform.invoicing.models import Invoice
 
 CSV_HEADER = ("invoice", "position", "kind", "description", "model", "region", "service_tier",
-              "capacity_source", "quantity", "unit", "unit_price", "amount_precise", "amount",
-              "currency")
+              "capacity_source", "token_class", "quantity", "unit", "unit_price",
+              "amount_precise", "amount", "currency")
 
 
 def invoices_of(*, organization: Organization) -> QuerySet[Invoice]:
@@ -34,6 +34,7 @@ def invoice_csv_rows(invoice: Invoice | DraftInvoice) -> Iterator[tuple]:
     lines = invoice.lines.all() if isinstance(invoice, Invoice) else invoice.lines
     for pos, ln in enumerate(lines, start=1):
         yield (number, getattr(ln, "position", pos), ln.kind, ln.description, ln.model,
-               ln.region, ln.service_tier, ln.capacity_source, ln.quantity, ln.unit,
+               ln.region, ln.service_tier, ln.capacity_source, ln.token_class, ln.quantity,
+               ln.unit,
                "" if ln.unit_price is None else ln.unit_price, ln.amount_precise, ln.amount,
                invoice.currency)

@@ -172,7 +172,8 @@ def _persist(drafts: list[DraftInvoice], *, now: datetime) -> list[Invoice]:
             lines.append(InvoiceLine(
                 invoice_id=invoice.id, position=pos, kind=ln.kind, description=ln.description,
                 model=ln.model, region=ln.region, service_tier=ln.service_tier,
-                capacity_source=ln.capacity_source, source_period_start=ln.source_period_start,
+                capacity_source=ln.capacity_source, token_class=ln.token_class,
+                source_period_start=ln.source_period_start,
                 source_period_end=ln.source_period_end, quantity=ln.quantity, unit=ln.unit,
                 unit_price=ln.unit_price, amount_precise=ln.amount_precise, amount=ln.amount,
                 details=ln.details))
@@ -182,7 +183,9 @@ def _persist(drafts: list[DraftInvoice], *, now: datetime) -> list[Invoice]:
                 source_period_start=u.source_period_start, model=u.model, region=u.region,
                 service_tier=u.service_tier, capacity_source=u.capacity_source,
                 amount=u.amount, requests=u.requests, prompt_tokens=u.prompt_tokens,
-                cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens))
+                cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                input_amount=u.input_amount, cached_input_amount=u.cached_input_amount,
+                output_amount=u.output_amount))
     InvoiceLine.objects.bulk_create(lines, batch_size=5000)
     BilledUsage.objects.bulk_create(billed, batch_size=5000)
     ids = [i.id for i in invoices]

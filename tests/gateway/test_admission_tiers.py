@@ -108,6 +108,10 @@ def test_flex_is_refused_while_saturated_priority_is_downgraded_and_flex_runs_wh
 
 def _finish_order(gateway, secret: str, *, model: str, path: str, load, running, queued,
                   long_tokens: int, extra: dict) -> list[str]:
+    """Run a long default request, queue a short default one behind it, then a short priority
+    one; return the order they finished in. ``long_tokens`` must keep the engine busy for
+    several seconds: both short requests have to be queued before the long one ends, and on a
+    loaded 2-core machine that takes a while."""
     finished: list[str] = []
     errors: list[str] = []
 
@@ -146,7 +150,7 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_simulated_engine(busy
     order = _finish_order(
         busy_gateway, _secret(), model="busy", path="/v1/chat/completions",
         load=lambda: httpx.get(f"{sim.base_url}/sim/stats").json(),
-        running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=100,
+        running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=400,
         extra={})
     assert order.index("high") < order.index("low"), order
 
@@ -189,7 +193,7 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_real_sglang_engine(
         order = _finish_order(
             gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
             running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
-            long_tokens=600, extra={"ignore_eos": True})
+            long_tokens=1500, extra={"ignore_eos": True})
         # then the priority request (SGLang priority 10 vs 0) is served first
         assert order.index("high") < order.index("low"), order
     finally:

@@ -38,11 +38,16 @@ def cents(value: Decimal) -> Decimal:
     return value.quantize(CENT, rounding=ROUND_HALF_UP)
 
 
-def on_demand(prompt, cached, out, *, p_in, p_cached, p_out, mult=Decimal(1)) -> Decimal:
-    """What DESIGN.md says one request costs: each class rounded to 10 places, then summed."""
-    parts = ((prompt - cached) * p_in * mult / M, cached * p_cached * mult / M,
-             out * p_out * mult / M)
-    return sum((p.quantize(TEN, rounding=ROUND_HALF_EVEN) for p in parts), Decimal(0))
+def per_class(*requests, p_in, p_cached, p_out, mult=Decimal(1)) -> dict[str, Decimal]:
+    """What DESIGN.md says requests cost, per token class: each request's class amount rounded
+    to 10 places (as rated), summed over the requests. ``requests``: (prompt, cached, out)."""
+    out: dict[str, Decimal] = defaultdict(Decimal)
+    for prompt, cached, completion in requests:
+        for cls, tokens, price in (("input", prompt - cached, p_in),
+                                   ("cached_input", cached, p_cached),
+                                   ("output", completion, p_out)):
+            out[cls] += (tokens * price * mult / M).quantize(TEN, rounding=ROUND_HALF_EVEN)
+    return dict(out)
 
 
 @pytest.fixture
@@ -83,8 +88,19 @@ def month(catalog):
 
 
 def _lines(invoice: Invoice) -> dict[tuple, InvoiceLine]:
-    return {(ln.kind, ln.model, ln.service_tier, ln.capacity_source): ln
+    return {(ln.kind, ln.model, ln.service_tier, ln.capacity_source, ln.token_class): ln
             for ln in invoice.lines.all()}
+
+
+def _check_usage(lines: dict, model: str, tier: str, source: str,
+                 expected: dict[str, tuple[int, Decimal, str]]) -> None:
+    """Each token class line of one model x tier x source: (tokens, exact amount, rounded)."""
+    got = {key[4]: (int(ln.quantity), ln.amount_precise, ln.amount) for key, ln in lines.items()
+           if key[:4] == (LineKind.USAGE, model, tier, source)}
+    assert got == {c: (q, exact, d(rounded)) for c, (q, exact, rounded) in expected.items()}
+    for cls, (tokens, exact, _) in expected.items():
+        unit_price = lines[(LineKind.USAGE, model, tier, source, cls)].unit_price
+        assert unit_price == (exact * M / tokens).quantize(TEN), (cls, unit_price)
 
 
 def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
@@ -102,30 +118,41 @@ def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
     small = {"p_in": d("1.00"), "p_cached": d("0.10"), "p_out": d("2.00")}
     big = {"p_in": d("3.00"), "p_cached": d("0.30"), "p_out": d("15.00")}
     lines = _lines(inv_a)
-    # on-demand with cached tokens: two requests in one line, rounded once
-    standard = (on_demand(123_457, 23_456, 34_567, **small)
-                + on_demand(2_000_000, 1_000_000, 500_000, **small))
-    assert standard == d("2.2714806")
-    line = lines[(LineKind.USAGE, "m-small", "default", "on_demand")]
-    assert line.amount_precise == standard and line.amount == d("2.27")
-    assert line.details == {"requests": 2, "input_tokens": 1_100_001,
-                            "cached_input_tokens": 1_023_456, "output_tokens": 534_567}
-    # priority x2
-    priority = on_demand(300_000, 0, 100_001, mult=d("2"), **small)
-    assert lines[(LineKind.USAGE, "m-small", "priority", "on_demand")].amount == \
-        cents(priority) == d("1.00")
-    # flex x0.5: 2.325 rounds half-up to 2.33
-    flex = on_demand(1_000_000, 500_000, 200_000, mult=d("0.5"), **big)
-    line = lines[(LineKind.USAGE, "m-big", "flex", "on_demand")]
-    assert (line.amount_precise, line.amount) == (flex, d("2.33")) == (d("2.325"), d("2.33"))
-    # inside the reservation: no per-token charge; spillover at on-demand prices
-    assert lines[(LineKind.USAGE, "m-big", "default", "provisioned")].amount == d("0.00")
-    spill = on_demand(200_000, 0, 10_000, **big)
-    assert lines[(LineKind.USAGE, "m-big", "default", "spillover")].amount == cents(spill)
+    # on-demand with cached tokens: two requests, a line per token class, each rounded once
+    std = per_class((123_457, 23_456, 34_567), (2_000_000, 1_000_000, 500_000), **small)
+    assert std == {"input": d("1.100001"), "cached_input": d("0.1023456"),
+                   "output": d("1.069134")}
+    _check_usage(lines, "m-small", "default", "on_demand", {
+        "input": (1_100_001, std["input"], "1.10"),
+        "cached_input": (1_023_456, std["cached_input"], "0.10"),
+        "output": (534_567, std["output"], "1.07")})
+    # the effective unit prices are the price book's, per 1M tokens
+    assert lines[(LineKind.USAGE, "m-small", "default", "on_demand", "output")].unit_price == \
+        d("2.00")
+    assert lines[(LineKind.USAGE, "m-small", "default", "on_demand", "input")].details == {
+        "requests": 2}
+    # priority x2 (no cached tokens: no cached line)
+    prio = per_class((300_000, 0, 100_001), mult=d("2"), **small)
+    _check_usage(lines, "m-small", "priority", "on_demand", {
+        "input": (300_000, prio["input"], "0.60"), "output": (100_001, prio["output"], "0.40")})
+    # flex x0.5: cached 0.075 rounds half-up to 0.08
+    flex = per_class((1_000_000, 500_000, 200_000), mult=d("0.5"), **big)
+    _check_usage(lines, "m-big", "flex", "on_demand", {
+        "input": (500_000, d("0.75"), "0.75"), "cached_input": (500_000, d("0.075"), "0.08"),
+        "output": (200_000, d("1.5"), "1.50")})
+    assert flex == {"input": d("0.75"), "cached_input": d("0.075"), "output": d("1.5")}
+    # inside the reservation: the tokens are listed, with no per-token charge
+    _check_usage(lines, "m-big", "default", "provisioned", {
+        "input": (100_000, d("0"), "0.00"), "output": (50_000, d("0"), "0.00")})
+    # spillover at on-demand prices
+    spill = per_class((200_000, 0, 10_000), **big)
+    _check_usage(lines, "m-big", "default", "spillover", {
+        "input": (200_000, spill["input"], "0.60"), "output": (10_000, spill["output"], "0.15")})
     # the reservation fee: 2 units x 100.00 x 1 month
-    fee = lines[(LineKind.RESERVATION_FEE, "m-big", "", "provisioned")]
+    fee = lines[(LineKind.RESERVATION_FEE, "m-big", "", "provisioned", "")]
     assert fee.amount == d("200.00")
-    subtotal = d("2.27") + d("1.00") + d("2.33") + d("0.00") + cents(spill) + d("200.00")
+    subtotal = (d("1.10") + d("0.10") + d("1.07") + d("0.60") + d("0.40") + d("0.75")
+                + d("0.08") + d("1.50") + d("0.60") + d("0.15") + d("200.00"))
     assert inv_a.subtotal == subtotal == d("206.35")
     assert inv_a.tax == cents(subtotal * d("0.2")) == d("41.27")
     # the 5.00 grant is consumed; total = sum of the rounded lines
@@ -134,30 +161,37 @@ def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
     assert sum(ln.amount for ln in inv_a.lines.all()) == inv_a.total
     assert CreditGrant.objects.get(organization=a).remaining == 0
 
-    # B: the plan fee, requests inside the plan at 0, the overage share of b2 at on-demand
+    # B: the plan fee, b1 inside the plan at 0, the overage share of b2 at on-demand
     lines = _lines(inv_b)
-    assert lines[(LineKind.PLAN_FEE, "", "", "")].amount == d("10.00")
-    assert lines[(LineKind.USAGE, "m-small", "default", "plan")].amount == d("0.00")
+    assert lines[(LineKind.PLAN_FEE, "", "", "", "")].amount == d("10.00")
+    _check_usage(lines, "m-small", "default", "plan", {
+        "input": (600_000, d("0"), "0.00"), "output": (100_000, d("0"), "0.00")})
     # b2 needs 460,000 credits with 100,000 left: 360/460 of its on-demand price, per class
     share = Decimal(360_000) / Decimal(460_000)
-    overage = sum((x.quantize(TEN, rounding=ROUND_HALF_EVEN) for x in (
-        d("0.3") * share, d("0.01") * share, d("0.1") * share)), Decimal(0))
-    line = lines[(LineKind.USAGE, "m-small", "default", "overage")]
-    assert line.amount_precise == overage and line.amount == cents(overage) == d("0.32")
+    over = {c: (x * share).quantize(TEN, rounding=ROUND_HALF_EVEN)
+            for c, x in per_class((400_000, 100_000, 50_000), **small).items()}
+    _check_usage(lines, "m-small", "default", "overage", {
+        "input": (300_000, over["input"], "0.23"),
+        "cached_input": (100_000, over["cached_input"], "0.01"),
+        "output": (50_000, over["output"], "0.08")})
     assert inv_b.total == d("10.32") and inv_b.tax == 0
 
     # and every usage line equals the sum of its events' rated amounts, rounded once
     sums: dict[tuple, Decimal] = defaultdict(Decimal)
     for e in UsageEvent.objects.filter(organization_id__in=[a.id, b.id]):
-        sums[(e.organization_id, e.model, e.service_tier, e.capacity_source)] += e.amount
-    usage = InvoiceLine.objects.filter(kind=LineKind.USAGE)
-    assert {(ln.invoice.organization_id, ln.model, ln.service_tier, ln.capacity_source):
-            ln.amount for ln in usage} == {k: cents(v) for k, v in sums.items()}
+        for cls, amount in e.rating_breakdown.items():
+            sums[(e.organization_id, e.model, e.service_tier, e.capacity_source, cls)] += \
+                Decimal(amount)
+    usage = InvoiceLine.objects.filter(kind=LineKind.USAGE).select_related("invoice")
+    assert {(ln.invoice.organization_id, ln.model, ln.service_tier, ln.capacity_source,
+             ln.token_class): ln.amount for ln in usage if ln.amount} == {
+        k: cents(v) for k, v in sums.items() if cents(v)}
 
     # when the close runs again, nothing new is created
+    count = InvoiceLine.objects.count()
     again = services.period_close_run(now=NOV + timedelta(hours=2), enqueue_payments=False)
     assert again.invoices == 0
-    assert Invoice.objects.count() == 2 and InvoiceLine.objects.count() == 11
+    assert Invoice.objects.count() == 2 and InvoiceLine.objects.count() == count
 
 
 def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month):

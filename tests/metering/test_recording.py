@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import random
+from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -16,6 +18,7 @@ from metering.models import UsageDeadLetter, UsageEvent, UsageEventId, UsageRoll
 
 SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens", "normalized_tokens", "amount",
           "credits_consumed", "cost_to_serve")
+CLASSES = ("input", "cached_input", "output")
 DIMENSIONS = ("organization_id", "project_id", "api_key_id", "model", "region", "service_tier",
               "capacity_source", "currency")
 
@@ -81,6 +84,35 @@ def test_rollups_equal_the_sums_of_the_events_and_survive_redelivery(tenant):
         1 for e in batch if e.status == "engine_error")
     assert sum(r["aborted_requests"] for r in rollups.values()) == sum(
         1 for e in batch if e.status == "client_aborted")
+    # and each rollup's amount, split by token class, equals its events' rating breakdowns
+    by_class: dict[tuple, Decimal] = defaultdict(Decimal)
+    for e in UsageEvent.objects.all():
+        hour = e.event_time.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+        for cls, amount in e.rating_breakdown.items():
+            by_class[(*(getattr(e, d) for d in DIMENSIONS), hour, cls)] += Decimal(amount)
+    for key, roll in rollups.items():
+        split = [roll[f"{cls}_amount"] for cls in CLASSES]
+        assert split == [by_class[(*key, cls)] for cls in CLASSES], key
+        assert sum(split) == roll["amount"], key
+    assert sum(r["cached_input_amount"] for r in rollups.values()) > 0
+
+
+def test_the_migration_backfill_rebuilds_the_token_class_split_from_the_events(tenant):
+    services.usage_events_record(_varied_events(tenant, 200, seed=3), origin="test")
+    columns = [f"{cls}_amount" for cls in CLASSES]
+    before = {k: [r[c] for c in columns] for k, r in _rollups_by_key().items()}
+    # given rollups written before the split existed
+    UsageRollupHourly.objects.update(**dict.fromkeys(columns, 0))
+
+    # when the migration's backfill runs
+    migration = importlib.import_module(
+        "metering.migrations.0004_rollup_amounts_by_token_class")
+    with connection.cursor() as cur:
+        cur.execute(migration.BACKFILL)
+
+    # then every rollup has its split back
+    assert {k: [r[c] for c in columns] for k, r in _rollups_by_key().items()} == before
+    assert any(any(v) for v in before.values())
 
 
 def test_events_are_rated_with_the_price_book_in_force(tenant):
