@@ -96,14 +96,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def localstripe_url(tmp_path_factory) -> Iterator[str]:
-    """Start ``python -m localstripe`` on a free port for the session; return its base URL."""
+    """Start localstripe (with Stripe's idempotent requests: tests/stripe_standin.py) on a
+    free port for the session; return its base URL."""
     import socket
 
     port = _free_port()
     workdir = tmp_path_factory.mktemp("localstripe")
     log = open(workdir / "localstripe.log", "wb")  # noqa: SIM115 - closed by the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "localstripe", "--port", str(port), "--from-scratch"],
+        [sys.executable, str(Path(__file__).with_name("stripe_standin.py")), "--port",
+         str(port), "--from-scratch"],
         cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "TMPDIR": str(workdir)},
     )

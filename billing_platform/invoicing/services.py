@@ -10,8 +10,10 @@ are enqueued after commit. One invoice per org per period is also a database con
 even a closer that ignored the locks could not bill a period twice.
 
 Payments: the platform is the system of record. A charge creates one ``PaymentAttempt`` per
-try, keyed ``invoice:<id>:charge:<n>`` (the Stripe idempotency key), under the invoice's row
-lock; a task that runs twice finds the attempt and does not charge again. The invoice becomes
+try, keyed ``invoice:<id>:charge:<n>`` (the Stripe idempotency key), committed under the
+invoice's row lock before Stripe is called (no lock is held across the call); a task that runs
+twice finds the attempt and does not charge again, and an attempt whose answer was lost is
+sent again with its key, so Stripe replays the first result. The invoice becomes
 ``paid`` when Stripe says so (a verified webhook, or ``payments_sync`` reading the
 PaymentIntent). A declined charge starts dunning: retries after ``INVOICING_DUNNING_DAYS``, an
 email each time, then ``uncollectible`` and the organization suspended until it pays.
@@ -472,6 +474,12 @@ def invoice_charge(*, invoice_id: int, now: datetime | None = None) -> str:
     pending or succeeded already: never a second charge), ``pending``, ``succeeded``,
     ``failed``. Stripe network errors propagate (the task retries with backoff and the same
     idempotency key).
+
+    Two short transactions around the Stripe call, never a row lock held across it: the
+    attempt (with its idempotency key) is committed first, then sent, then its answer
+    recorded. An attempt committed but never answered here (a network error, a worker killed
+    mid-call) is sent again with the same key on the next run, and Stripe replays its first
+    answer instead of charging again.
     """
     now = now or timezone.now()
     invoice = Invoice.objects.select_related("organization").get(pk=invoice_id)
@@ -481,46 +489,74 @@ def invoice_charge(*, invoice_id: int, now: datetime | None = None) -> str:
     payment_method = stripe_client.default_payment_method(account.stripe_customer_id)
     if not payment_method:
         return "no_payment_method"
-    with transaction.atomic():
-        invoice = (Invoice.objects.select_for_update().select_related("organization")
-                   .get(pk=invoice_id))
-        if invoice.status != InvoiceStatus.OPEN:
-            return "not_due"
-        last = invoice.payments.order_by("-number").first()
-        if last is not None and last.status != PaymentStatus.FAILED:
-            return "in_progress"
-        if last is not None and (invoice.next_payment_attempt_at is None
-                                 or invoice.next_payment_attempt_at > now):
-            return "not_due"
-        number = last.number + 1 if last else 1
-        attempt = PaymentAttempt.objects.create(
-            invoice=invoice, number=number, idempotency_key=f"invoice:{invoice.id}:charge:{number}",
-            amount=invoice.amount_due, currency=invoice.currency, created_at=now, updated_at=now)
-        try:
-            intent = stripe_client.payment_intent_create(
-                amount=to_minor_units(invoice.amount_due, invoice.currency),
-                currency=invoice.currency, customer_id=account.stripe_customer_id,
-                payment_method=payment_method, idempotency_key=attempt.idempotency_key,
-                metadata={"invoice_id": str(invoice.id), "invoice": invoice.number or "",
-                          "attempt": str(number)})
-        except stripe.CardError as exc:
-            error = exc.error
+    attempt = _charge_attempt_begin(invoice_id=invoice_id, now=now)
+    if isinstance(attempt, str):
+        return attempt
+    return _charge_attempt_send(attempt, customer_id=account.stripe_customer_id,
+                                payment_method=payment_method, now=now)
+
+
+@transaction.atomic
+def _charge_attempt_begin(*, invoice_id: int, now: datetime) -> PaymentAttempt | str:
+    """Commit the attempt to send (a new one, or one sent before whose answer was lost)."""
+    invoice = Invoice.objects.select_for_update().get(pk=invoice_id)
+    if invoice.status != InvoiceStatus.OPEN:
+        return "not_due"
+    last = invoice.payments.order_by("-number").first()
+    if last is not None and last.status == PaymentStatus.PENDING and \
+            not last.stripe_payment_intent_id:
+        return last  # sent, answer never recorded: send again with the same key
+    if last is not None and last.status != PaymentStatus.FAILED:
+        return "in_progress"
+    if last is not None and (invoice.next_payment_attempt_at is None
+                             or invoice.next_payment_attempt_at > now):
+        return "not_due"
+    number = last.number + 1 if last else 1
+    return PaymentAttempt.objects.create(
+        invoice=invoice, number=number, idempotency_key=f"invoice:{invoice.id}:charge:{number}",
+        amount=invoice.amount_due, currency=invoice.currency, created_at=now, updated_at=now)
+
+
+def _charge_attempt_send(attempt: PaymentAttempt, *, customer_id: str, payment_method: str,
+                         now: datetime) -> str:
+    """Send one attempt to Stripe (no lock held), then record its answer."""
+    invoice = attempt.invoice
+    try:
+        intent = stripe_client.payment_intent_create(
+            amount=to_minor_units(attempt.amount, attempt.currency), currency=attempt.currency,
+            customer_id=customer_id, payment_method=payment_method,
+            idempotency_key=attempt.idempotency_key,
+            metadata={"invoice_id": str(invoice.id), "invoice": invoice.number or "",
+                      "attempt": str(attempt.number)})
+    except stripe.CardError as exc:
+        error = exc.error
+        with transaction.atomic():
+            # attempt, then invoice: the order webhooks lock them in
+            attempt = PaymentAttempt.objects.select_for_update().get(pk=attempt.pk)
+            invoice = (Invoice.objects.select_for_update().select_related("organization")
+                       .get(pk=invoice.pk))
+            if attempt.status != PaymentStatus.PENDING:
+                return str(attempt.status)  # a webhook recorded it meanwhile
             attempt.status = PaymentStatus.FAILED
             attempt.failure_code = (getattr(error, "code", None) or "card_declined")[:100]
             attempt.failure_message = (getattr(error, "message", None) or str(exc))[:500]
             charge = getattr(error, "payment_intent", None)
             if charge is not None:
                 attempt.stripe_payment_intent_id = charge.get("id", "")
+            attempt.updated_at = now
             attempt.save()
-            invoice.next_payment_attempt_at = None
-            _payment_failed(invoice, attempt, now=now)
-            return "failed"
+            if invoice.status == InvoiceStatus.OPEN:
+                invoice.next_payment_attempt_at = None
+                _payment_failed(invoice, attempt, now=now)
+        return "failed"
+    with transaction.atomic():
+        attempt = PaymentAttempt.objects.select_for_update().get(pk=attempt.pk)
         attempt.stripe_payment_intent_id = intent.id
-        attempt.status = (PaymentStatus.SUCCEEDED if intent.status == "succeeded"
-                          else PaymentStatus.PENDING)
+        if attempt.status == PaymentStatus.PENDING and intent.status == "succeeded":
+            attempt.status = PaymentStatus.SUCCEEDED
         attempt.updated_at = now
         attempt.save(update_fields=["stripe_payment_intent_id", "status", "updated_at"])
-        return str(attempt.status)
+    return str(attempt.status)
 
 
 def invoices_dunning_run(*, now: datetime | None = None) -> list[int]:
@@ -608,21 +644,32 @@ def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
 
 def payments_sync(*, older_than: timedelta = timedelta(minutes=30),
                   now: datetime | None = None) -> int:
-    """Read Stripe for attempts still unsettled here (a webhook lost); return how many moved."""
+    """Settle attempts still unsettled here; return how many invoices moved.
+
+    Attempts whose answer never arrived (the worker died mid-call, retries ran out) are sent
+    again with their key; attempts Stripe answered are read back from Stripe (a webhook lost).
+    """
     now = now or timezone.now()
-    moved = 0
-    for attempt_id, pi_id in (PaymentAttempt.objects
-                              .filter(invoice__status=InvoiceStatus.OPEN,
-                                      status__in=[PaymentStatus.PENDING, PaymentStatus.SUCCEEDED],
-                                      updated_at__lte=now - older_than)
-                              .exclude(stripe_payment_intent_id="")
-                              .values_list("id", "stripe_payment_intent_id")):
+    moved: set[int] = set()
+    for invoice_id in (PaymentAttempt.objects
+                       .filter(invoice__status=InvoiceStatus.OPEN, status=PaymentStatus.PENDING,
+                               stripe_payment_intent_id="", updated_at__lte=now - older_than)
+                       .values_list("invoice_id", flat=True)):
+        if invoice_charge(invoice_id=invoice_id, now=now) in ("succeeded", "failed"):
+            moved.add(invoice_id)
+    for attempt_id, invoice_id, pi_id in (
+            PaymentAttempt.objects
+            .filter(invoice__status=InvoiceStatus.OPEN,
+                    status__in=[PaymentStatus.PENDING, PaymentStatus.SUCCEEDED],
+                    updated_at__lte=now - older_than)
+            .exclude(stripe_payment_intent_id="")
+            .values_list("id", "invoice_id", "stripe_payment_intent_id")):
         intent = stripe_client.payment_intent_retrieve(pi_id).to_dict()
         with transaction.atomic():
             if _apply_payment_intent(intent, now=now) in ("paid", "failed"):
-                moved += 1
+                moved.add(invoice_id)
         log.info("payment attempt %s synced from Stripe", attempt_id)
-    return moved
+    return len(moved)
 
 
 @transaction.atomic

@@ -10,12 +10,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
+import threading
 import time
+import urllib.parse
 from datetime import timedelta
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 import stripe
+from django.utils import timezone
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.selectors import api_key_authenticate
@@ -129,7 +134,7 @@ def test_no_payment_method_leaves_the_invoice_open(open_invoice):
 
 
 def test_network_error_charges_nothing_and_the_retry_reuses_the_key(open_invoice, settings):
-    _set_default_card(open_invoice.organization, "pm_card_visa")
+    customer_id = _set_default_card(open_invoice.organization, "pm_card_visa")
     good = settings.STRIPE_API_BASE
     settings.STRIPE_API_BASE = "http://127.0.0.1:9"  # nothing listens: connection refused
     with pytest.raises(stripe.APIConnectionError):
@@ -140,6 +145,76 @@ def test_network_error_charges_nothing_and_the_retry_reuses_the_key(open_invoice
     assert services.invoice_charge(invoice_id=open_invoice.id) == "succeeded"
     (attempt,) = PaymentAttempt.objects.all()
     assert attempt.idempotency_key == f"invoice:{open_invoice.id}:charge:1"
+    assert len(stripe_client.client().v1.charges.list({"customer": customer_id}).data) == 1
+
+
+@pytest.fixture
+def answer_dropping_proxy(localstripe_url):
+    """A TCP proxy that forwards each request to Stripe, waits for Stripe's answer, and then
+    hangs up without passing it on: the request was applied, the caller never learns it."""
+    upstream = urllib.parse.urlsplit(localstripe_url)
+    listener = socket.create_server(("127.0.0.1", 0))
+    forwarded: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = _read_http_message(conn)
+                forwarded.append(request)
+                with socket.create_connection((upstream.hostname, upstream.port)) as up:
+                    up.sendall(request)
+                    _read_http_message(up)  # Stripe answered; the answer is dropped
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+                          forwarded=forwarded)
+    listener.close()
+
+
+def _read_http_message(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
+
+
+def test_a_charge_whose_answer_was_lost_is_sent_again_and_charges_once(
+        open_invoice, settings, answer_dropping_proxy):
+    customer_id = _set_default_card(open_invoice.organization, "pm_card_visa")
+    payment_method = stripe_client.default_payment_method(customer_id)
+    # given a worker that committed its attempt and sent it; Stripe charged, but the answer
+    # was lost on the way back (invoice_charge's two steps, the second through the proxy)
+    attempt = services._charge_attempt_begin(invoice_id=open_invoice.id, now=timezone.now())
+    good = settings.STRIPE_API_BASE
+    settings.STRIPE_API_BASE = answer_dropping_proxy.url
+    with pytest.raises(stripe.APIConnectionError):
+        services._charge_attempt_send(attempt, customer_id=customer_id,
+                                      payment_method=payment_method, now=timezone.now())
+    settings.STRIPE_API_BASE = good
+    assert len(answer_dropping_proxy.forwarded) == 1
+    assert len(stripe_client.client().v1.charges.list({"customer": customer_id}).data) == 1
+    (attempt,) = PaymentAttempt.objects.all()
+    assert (attempt.status, attempt.stripe_payment_intent_id) == (PaymentStatus.PENDING, "")
+
+    # when the charge runs again (the task's retry, or the sync)
+    assert services.payments_sync(older_than=timedelta(0)) == 1
+
+    # then Stripe replayed its first answer: one attempt, one charge, recorded, invoice paid
+    (attempt,) = PaymentAttempt.objects.all()
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.PAID
+    assert attempt.status == PaymentStatus.SUCCEEDED and attempt.stripe_payment_intent_id
+    charges = stripe_client.client().v1.charges.list({"customer": customer_id}).data
+    assert len(charges) == 1 and charges[0].payment_intent == attempt.stripe_payment_intent_id
 
 
 def test_dunning_retries_emails_then_uncollectible_and_suspended(
