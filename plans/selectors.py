@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import Context, Decimal, localcontext
 
 from django.db.models import Min, Q, QuerySet, Sum
 from django.utils import timezone
@@ -148,6 +148,32 @@ def reservation_fee_for_period(*, reservation: Reservation, period_start: dateti
         if period_start <= term_start < period_end:
             count += 1
     return reservation.units * reservation.unit_price * count
+
+
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def subscription_months_in_period(*, subscription: Subscription, period_start: datetime,
+                                   period_end: datetime) -> Decimal:
+    """Return how many of the subscription's billing months fall in [period_start, period_end).
+
+    1 for a period that is exactly one of its months. A subscription that starts, ends or
+    changes anchor inside the period gets the covered share of each of its months, by time
+    (Stripe's proration): starting on Oct 15 on calendar invoices is 17/31 of a month on
+    October's invoice and 14/31 on the next one (Nov 1-15), then whole months.
+    """
+    lo = max(period_start, subscription.starts_at)
+    hi = min(period_end, subscription.ends_at or period_end)
+    months = Decimal(0)
+    with localcontext(Context(prec=50)):
+        t = lo
+        while t < hi:
+            month_start, month_end = period_bounds(subscription.billing_anchor, t)
+            part_end = min(hi, month_end)
+            months += (Decimal((part_end - t) // _MICROSECOND)
+                       / Decimal((month_end - month_start) // _MICROSECOND))
+            t = part_end
+    return months
 
 
 def credit_balance(*, organization: Organization, at: datetime | None = None

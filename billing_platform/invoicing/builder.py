@@ -25,11 +25,12 @@ from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
 from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
 from plans.choices import TokenClass
 from plans.models import CreditPackPurchase, Reservation, Subscription
-from plans.selectors import reservation_fee_for_period
+from plans.selectors import reservation_fee_for_period, subscription_months_in_period
 
 log = logging.getLogger(__name__)
 MILLION = Decimal(1_000_000)
 PRECISE = Decimal("1E-10")
+QUANTITY = Decimal("1E-6")  # invoice line quantities have 6 places
 
 TIER_LABELS = {"default": "standard", "priority": "priority", "flex": "flex", "batch": "batch"}
 CLASS_LABELS = {"input": "input", "cached_input": "cached input", "output": "output"}
@@ -312,6 +313,27 @@ def _packs(targets: list[Target]) -> dict[int, list[CreditPackPurchase]]:
     return out
 
 
+def _plan_fee_line(draft: DraftInvoice, sub: Subscription) -> None:
+    """Append the plan's monthly fee for the part of the period the subscription covers."""
+    plan, t = sub.plan, draft.target
+    if plan.monthly_fee <= 0 or plan.currency != t.currency:
+        return
+    months = subscription_months_in_period(subscription=sub, period_start=t.period_start,
+                                           period_end=t.period_end)
+    if months <= 0:
+        return
+    description = f"{plan.name} — monthly fee"
+    if months != 1:
+        lo = max(t.period_start, sub.starts_at)
+        hi = min(t.period_end, sub.ends_at or t.period_end)
+        description += f" (prorated {lo:%Y-%m-%d} to {hi:%Y-%m-%d})"
+    draft.add(LineKind.PLAN_FEE, description, EXACT.multiply(plan.monthly_fee, months),
+              quantity=months.quantize(QUANTITY, context=EXACT), unit="month",
+              unit_price=plan.monthly_fee,
+              details={"subscription": sub.public_id, "plan": plan.code,
+                       "months": str(months.quantize(PRECISE, context=EXACT))})
+
+
 def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
     """Return the invoice of each target's period, before credits, keyed by organization id.
 
@@ -332,12 +354,7 @@ def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
             _usage_lines(draft, u, late_from=(u.source_period_start, pe))
             draft.billed.append(u)
         for sub in subs.get(t.org_id, ()):
-            plan = sub.plan
-            if plan.monthly_fee > 0 and plan.currency == t.currency and sub.starts_at < \
-                    t.period_end and (sub.ends_at is None or sub.ends_at > t.period_start):
-                draft.add(LineKind.PLAN_FEE, f"{plan.name} — monthly fee", plan.monthly_fee,
-                          quantity=Decimal(1), unit="month", unit_price=plan.monthly_fee,
-                          details={"subscription": sub.public_id, "plan": plan.code})
+            _plan_fee_line(draft, sub)
         for r in reservations.get(t.org_id, ()):
             if r.currency != t.currency:
                 continue

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import stripe
 from django.conf import settings
 from django.core.mail import send_mail
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -116,6 +116,7 @@ class CloseReport:
     invoices: int = 0
     passes: int = 0
     skipped_locked: int = 0
+    failed_orgs: list[int] = field(default_factory=list)  # left open, each logged with its error
 
 
 def _take_numbers(series: str, count: int) -> int:
@@ -228,6 +229,34 @@ def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool
     return len(invoices), len(targets) - len(locked)
 
 
+def _close_isolating(targets: list[Target], *, now: datetime, enqueue_payments: bool,
+                     report: CloseReport) -> int:
+    """Close a chunk; if it fails, close its halves, down to the organization at fault.
+
+    One organization whose data cannot be invoiced (an amount past the columns' range, a
+    constraint broken by hand) is logged and left for a person, and never holds back the
+    invoices of the others. A database that is down fails the whole run (the task retries).
+    """
+    try:
+        created, skipped = _close_chunk(targets, now=now, enqueue_payments=enqueue_payments)
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception:
+        if len(targets) > 1:
+            mid = len(targets) // 2
+            return sum(_close_isolating(part, now=now, enqueue_payments=enqueue_payments,
+                                        report=report)
+                       for part in (targets[:mid], targets[mid:]))
+        t = targets[0]
+        log.exception("period close: organization %s, period %s to %s, could not be invoiced; "
+                      "fix its data and the next run invoices it", t.org_id,
+                      t.period_start.date(), t.period_end.date())
+        report.failed_orgs.append(t.org_id)
+        return 0
+    report.skipped_locked += skipped
+    return created
+
+
 def _enqueue_charges(invoice_ids: list[int]) -> None:
     from billing_platform.invoicing.tasks import invoice_charge_task
 
@@ -247,16 +276,15 @@ def period_close_run(*, now: datetime | None = None, org_ids: Iterable[int] | No
     report = CloseReport()
     ids = list(org_ids) if org_ids is not None else None
     while True:
-        targets = periods_due(now=now, org_ids=ids)
+        failed = set(report.failed_orgs)
+        targets = [t for t in periods_due(now=now, org_ids=ids) if t.org_id not in failed]
         if not targets:
             break
         report.passes += 1
         created = 0
         for i in range(0, len(targets), chunk):
-            n, skipped = _close_chunk(targets[i:i + chunk], now=now,
-                                      enqueue_payments=enqueue_payments)
-            created += n
-            report.skipped_locked += skipped
+            created += _close_isolating(targets[i:i + chunk], now=now,
+                                        enqueue_payments=enqueue_payments, report=report)
         report.invoices += created
         if created == 0:  # everything left is held by a concurrent closer
             break

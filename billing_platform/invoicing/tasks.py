@@ -18,7 +18,8 @@ STRIPE_TRANSIENT = (stripe.APIConnectionError, stripe.RateLimitError)
 def period_close_task() -> dict:
     """Invoice every organization whose billing period has ended."""
     report = services.period_close_run()
-    return {"invoices": report.invoices, "passes": report.passes}
+    return {"invoices": report.invoices, "passes": report.passes,
+            "failed_orgs": report.failed_orgs}
 
 
 @shared_task(name="invoicing.charge", autoretry_for=STRIPE_TRANSIENT, retry_backoff=5,

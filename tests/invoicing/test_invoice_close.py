@@ -19,7 +19,7 @@ from billing_platform.errors import Conflict
 from billing_platform.invoicing import services
 from billing_platform.invoicing.choices import InvoiceStatus, LineKind
 from billing_platform.invoicing.models import Invoice, InvoiceLine
-from metering.models import UsageEvent
+from metering.models import UsageEvent, UsageRollupHourly
 from plans import services as plan_services
 from plans.models import CreditGrant
 from tests.factories import make_billed_org, make_offering, make_token_plan
@@ -194,6 +194,47 @@ def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
     assert Invoice.objects.count() == 2 and InvoiceLine.objects.count() == count
 
 
+def test_a_plan_started_and_ended_mid_month_has_its_fee_prorated_by_time(catalog):
+    # given an org invoiced by calendar month since October, on a 10.00/month plan from Oct 15
+    # (anchored there) until Dec 1
+    org = make_billed_org(name="Midway")
+    plan = make_token_plan(monthly_fee="10.00", window_credits=None)
+    plan_services.subscription_create(organization=org, plan=plan,
+                                      starts_at=OCT + timedelta(days=14), ends_at=DEC)
+
+    # when every period up to mid-December closes
+    services.period_close_run(now=DEC + timedelta(days=20), enqueue_payments=False)
+
+    # then: October (calendar) bills Oct 15-31 of the plan's first month, 17/31; the next
+    # period runs to the plan's anchor, Nov 1-15, 14/31; then Nov 15 - Dec 1 of a 30-day month
+    fees = [(inv.period_start.date().isoformat(), ln.quantity, ln.amount_precise, ln.amount,
+             ln.description) for inv in Invoice.objects.filter(organization=org)
+            .order_by("period_start") for ln in inv.lines.filter(kind=LineKind.PLAN_FEE)]
+    ten = d("10.00")
+    expected = [("2026-10-01", Decimal(17) / 31, "5.48", "2026-10-15 to 2026-11-01"),
+                ("2026-11-01", Decimal(14) / 31, "4.52", "2026-11-01 to 2026-11-15"),
+                ("2026-11-15", Decimal(16) / 30, "5.33", "2026-11-15 to 2026-12-01")]
+    assert len(fees) == len(expected)
+    for (start, qty, precise, amount, text), (e_start, months, e_amount, e_text) in zip(
+            fees, expected, strict=True):
+        assert start == e_start
+        assert qty == months.quantize(d("1E-6"))
+        assert precise == (ten * months).quantize(TEN)
+        assert amount == d(e_amount)
+        assert text.endswith(f"(prorated {e_text})")
+    # the plan's first whole month, split over two invoices, adds up to its fee
+    assert d("5.48") + d("4.52") == ten
+
+
+def test_a_whole_plan_month_is_billed_once_unprorated(catalog):
+    org = make_billed_org(name="Whole")
+    plan_services.subscription_create(organization=org, plan=make_token_plan(), starts_at=OCT)
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    (fee,) = Invoice.objects.get(organization=org).lines.filter(kind=LineKind.PLAN_FEE)
+    assert (fee.quantity, fee.amount, fee.description) == (1, d("10.00"),
+                                                           "Test token plan — monthly fee")
+
+
 def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month):
     a, _ = month
     services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
@@ -222,6 +263,33 @@ def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month
     services.period_close_run(now=DEC + timedelta(days=31, hours=1), enqueue_payments=False)
     january = Invoice.objects.get(organization=a, period_start=DEC)
     assert not january.lines.filter(kind=LineKind.LATE_USAGE).exists()
+
+
+def test_an_org_that_cannot_be_invoiced_never_holds_back_the_others(catalog, caplog):
+    # given five orgs with October usage, and one whose October usage adds up past what an
+    # invoice can hold (150 hourly rollups of ~1e18, corrupt data)
+    good = [make_billed_org(name=f"Good {i}") for i in range(5)]
+    for org in good:
+        record(org, f"good-{org.id}", OCT + timedelta(days=3), prompt_tokens=1_000_000)
+    bad = make_billed_org(name="Corrupt")
+    UsageRollupHourly.objects.bulk_create([UsageRollupHourly(
+        organization=bad, project=bad.projects.first(), model="m-small", region="us-east",
+        service_tier="default", capacity_source="on_demand", currency=bad.currency,
+        hour=OCT + timedelta(hours=h), requests=1, amount=d("999999999999999999"),
+        input_amount=d("999999999999999999")) for h in range(150)])
+
+    # when October closes, in chunks of four
+    report = services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False,
+                                       chunk=4)
+
+    # then every other org is invoiced, numbered without gaps; the bad one is named and logged
+    assert report.failed_orgs == [bad.id] and report.invoices == 5
+    invoices = Invoice.objects.order_by("number")
+    assert {i.organization_id for i in invoices} == {o.id for o in good}
+    assert {i.total for i in invoices} == {d("1.00")}
+    numbers = [int(i.number.rsplit("-", 1)[1]) for i in invoices]
+    assert numbers == list(range(numbers[0], numbers[0] + 5))
+    assert f"organization {bad.id}" in caplog.text and "could not be invoiced" in caplog.text
 
 
 def test_finalized_invoices_are_immutable_and_unique_per_period(month):
