@@ -153,6 +153,28 @@ class UsageRollupHourly(models.Model):
         return f"{self.organization_id} {self.model} {self.hour:%Y-%m-%d %H}:00"
 
 
+class UsageLateHour(models.Model):
+    """An hour of an organization's usage that received events over an hour after it ended.
+
+    Usage normally arrives within seconds; events replayed from a spool, or imported through
+    the usage API, can arrive months late. Readers of the rollups that have already summed an
+    hour (invoicing) find the hours to look at again here instead of rescanning all history.
+    """
+
+    organization = _fk(Organization)
+    hour = models.DateTimeField(help_text="Start of the UTC hour.")
+    recorded_at = models.DateTimeField(db_default=Now(),
+                                       help_text="When a late event last arrived for it.")
+
+    class Meta:
+        db_table = "usage_late_hour"
+        constraints = [models.UniqueConstraint(fields=["organization", "hour"],
+                                               name="usage_late_hour_key")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} {self.hour:%Y-%m-%d %H}:00 (late)"
+
+
 class UsageDeadLetter(models.Model):
     """An event that could not be recorded (unreadable, or rating refused it), kept verbatim.
 

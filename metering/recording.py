@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 from django.db import (
@@ -102,6 +102,14 @@ ORDER BY ord
 ON CONFLICT ON CONSTRAINT usage_rollup_hourly_key DO UPDATE SET
     {", ".join(f"{c} = usage_rollup_hourly.{c} + EXCLUDED.{c}" for c in ROLLUP_SUMS)}
 """  # noqa: S608
+
+# Hours that received events over an hour after they ended (see ``UsageLateHour``).
+LATE_AFTER = timedelta(hours=1)
+MARK_LATE_HOURS = """
+INSERT INTO usage_late_hour (organization_id, hour, recorded_at)
+SELECT o, h, now() FROM unnest(%s::bigint[], %s::timestamptz[]) AS u(o, h) ORDER BY o, h
+ON CONFLICT ON CONSTRAINT usage_late_hour_key DO UPDATE SET recorded_at = now()
+"""
 
 # Errors that say "this connection or this moment" (or "not built yet"), not "this event":
 # never dead-letter on them.
@@ -280,8 +288,18 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
         ratings = _rate(fresh)
         rollups = _write_events(cur, fresh, ratings, trusted_text=trusted_text)
         cur.execute(UPSERT_ROLLUPS, rollups.columns())
+        _mark_late_hours(cur, fresh)
         faults.point("before_commit")
     return result
+
+
+def _mark_late_hours(cur, fresh: Sequence[Row]) -> None:
+    """Record the hours of ``fresh`` (sorted by time) that ended over LATE_AFTER ago."""
+    cutoff = (datetime.now(UTC) - LATE_AFTER).isoformat()
+    if fresh[0][I_TIME][:13] >= cutoff[:13]:  # the usual case: nothing late
+        return
+    hours = sorted({(r[I_ORG], r[I_TIME][:13]) for r in fresh if r[I_TIME][:13] < cutoff[:13]})
+    cur.execute(MARK_LATE_HOURS, ([o for o, _ in hours], [f"{h}:00:00+00:00" for _, h in hours]))
 
 
 def _dead_letter(rows: Iterable[Row], error: BaseException, origin: str) -> None:

@@ -204,7 +204,11 @@ WITH p AS (
       FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, start)
       JOIN invoicing_invoice i
         ON i.organization_id = t.org AND i.kind = 'invoice' AND i.status <> 'draft'
-       AND i.period_end <= t.start AND i.period_start >= t.start - %s::interval
+       AND i.period_end <= t.start
+     WHERE i.period_start >= t.start - %s::interval
+        OR EXISTS (SELECT 1 FROM usage_late_hour m
+                    WHERE m.organization_id = t.org AND m.hour >= i.period_start
+                      AND m.hour < i.period_end AND m.recorded_at >= t.start - %s::interval)
 )
 SELECT p.org, p.ps, p.pe, a.*
   FROM p CROSS JOIN LATERAL (
@@ -252,18 +256,22 @@ def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
 
 
 def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
-    """Return, per org, usage of earlier finalized periods not billed yet (with period end)."""
+    """Return, per org, usage of earlier finalized periods not billed yet (with period end).
+
+    The periods looked at again: those that started within the lookback (usage a little
+    late), and older ones holding an hour metering marked late since then (a spool replayed
+    or usage imported months later), so no accepted event is ever left unbilled.
+    """
     ids = [t.org_id for t in targets]
     lookback = timedelta(days=settings.INVOICING_LATE_LOOKBACK_DAYS)
-    since = min(t.period_start for t in targets) - lookback
     seen: dict[tuple, tuple[datetime, list]] = {}
     with connection.cursor() as cur:
-        cur.execute(_LATE_SQL, [ids, [t.period_start for t in targets], lookback])
+        cur.execute(_LATE_SQL, [ids, [t.period_start for t in targets], lookback, lookback])
         for org, ps, pe, model, region, tier, source, *sums in cur:
             seen[(org, ps, model, region, tier, source)] = (pe, sums)
         if not seen:
             return {}
-        cur.execute(_BILLED_SQL, [ids, since])
+        cur.execute(_BILLED_SQL, [ids, min(key[1] for key in seen)])
         billed = {tuple(r[:6]): list(r[6:]) for r in cur}
     starts = {t.org_id: t.period_start for t in targets}
     out: dict[int, list[tuple[datetime, UsageSum]]] = defaultdict(list)

@@ -9,10 +9,11 @@ invoicing makes of recorded, rated usage.
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 
 import pytest
+from django.conf import settings
 from django.db import DatabaseError, IntegrityError, transaction
 
 from billing_platform.errors import Conflict
@@ -192,6 +193,29 @@ def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
     again = services.period_close_run(now=NOV + timedelta(hours=2), enqueue_payments=False)
     assert again.invoices == 0
     assert Invoice.objects.count() == 2 and InvoiceLine.objects.count() == count
+
+
+def test_usage_that_arrives_months_late_is_billed_once_on_the_next_invoice(catalog):
+    # given an org invoiced monthly since June, June to October closed
+    org = make_billed_org(name="Archive", created_at=datetime(2026, 6, 1, tzinfo=UTC))
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    assert Invoice.objects.filter(organization=org).count() == 5
+
+    # when a July event arrives now (a spool replayed, an import), far past the lookback
+    july = datetime(2026, 7, 15, tzinfo=UTC)
+    assert NOV - july > timedelta(days=settings.INVOICING_LATE_LOOKBACK_DAYS)
+    record(org, "from-july", july, prompt_tokens=2_000_000)
+    services.period_close_run(now=DEC + timedelta(hours=1), enqueue_payments=False)
+
+    # then November's invoice bills it as late usage from July
+    november = Invoice.objects.get(organization=org, period_start=NOV)
+    (late,) = november.lines.filter(kind=LineKind.LATE_USAGE)
+    assert late.description.startswith("Late usage from 2026-07-01 to 2026-08-01")
+    assert (late.quantity, late.amount) == (2_000_000, d("2.00"))
+    # and December's does not bill it again
+    services.period_close_run(now=DEC + timedelta(days=31, hours=1), enqueue_payments=False)
+    december = Invoice.objects.get(organization=org, period_start=DEC)
+    assert not december.lines.filter(kind=LineKind.LATE_USAGE).exists()
 
 
 def test_a_plan_started_and_ended_mid_month_has_its_fee_prorated_by_time(catalog):
