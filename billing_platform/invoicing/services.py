@@ -631,8 +631,29 @@ def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
     return "no change"
 
 
-HANDLED_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.payment_failed",
-                            "payment_intent.canceled"})
+def _customer_updated(customer: dict, *, now: datetime) -> str:
+    """A customer with a default payment method (a new card after a decline, or a first one):
+    retry the org's open invoices now instead of at the next dunning date, as Stripe does."""
+    if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
+        return "no change: no default payment method"
+    account = BillingAccount.objects.filter(stripe_customer_id=customer.get("id") or "-").first()
+    if account is None:
+        return "ignored: not one of our customers"
+    due = list(Invoice.objects.select_for_update()
+               .filter(organization_id=account.organization_id, status=InvoiceStatus.OPEN,
+                       amount_due__gt=0)
+               .filter(Q(next_payment_attempt_at__isnull=True)
+                       | Q(next_payment_attempt_at__gt=now)))
+    for invoice in due:
+        invoice.next_payment_attempt_at = now
+        invoice.save(update_fields=["next_payment_attempt_at"])
+    ids = [i.id for i in due]
+    transaction.on_commit(lambda: _enqueue_charges(ids))
+    return f"retrying {len(ids)} open invoice(s)"
+
+
+PAYMENT_INTENT_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.payment_failed",
+                                   "payment_intent.canceled"})
 
 
 def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
@@ -661,8 +682,10 @@ def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
             raw.outcome, raw.processed_at = "duplicate: already processed", now
             raw.save(update_fields=["verified", "type", "outcome", "processed_at"])
             return raw
-        if event.type in HANDLED_EVENTS:
+        if event.type in PAYMENT_INTENT_EVENTS:
             raw.outcome = _apply_payment_intent(event.data.object.to_dict(), now=now)
+        elif event.type == "customer.updated":
+            raw.outcome = _customer_updated(event.data.object.to_dict(), now=now)
         else:
             raw.outcome = "ignored: event type not handled"
         raw.processed_at = now

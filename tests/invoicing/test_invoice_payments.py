@@ -155,6 +155,7 @@ def answer_dropping_proxy(localstripe_url):
     upstream = urllib.parse.urlsplit(localstripe_url)
     listener = socket.create_server(("127.0.0.1", 0))
     forwarded: list[bytes] = []
+    answers: list[bytes] = []
 
     def serve() -> None:
         while True:
@@ -163,28 +164,40 @@ def answer_dropping_proxy(localstripe_url):
             except OSError:
                 return
             with conn:
+                conn.settimeout(30)
                 request = _read_http_message(conn)
                 forwarded.append(request)
-                with socket.create_connection((upstream.hostname, upstream.port)) as up:
+                with socket.create_connection((upstream.hostname, upstream.port),
+                                              timeout=30) as up:
                     up.sendall(request)
-                    _read_http_message(up)  # Stripe answered; the answer is dropped
+                    answers.append(_read_http_message(up))  # Stripe answered; dropped here
 
     threading.Thread(target=serve, daemon=True).start()
     yield SimpleNamespace(url=f"http://127.0.0.1:{listener.getsockname()[1]}",
-                          forwarded=forwarded)
+                          forwarded=forwarded, answers=answers)
     listener.close()
 
 
 def _read_http_message(sock: socket.socket) -> bytes:
+    """Read one HTTP/1.1 message with a Content-Length body (all the Stripe library sends)."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += _recv(sock)
     head, _, body = data.partition(b"\r\n\r\n")
     length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                    if line.lower().startswith(b"content-length:")), 0)
     while len(body) < length:
-        body += sock.recv(65536)
+        chunk = _recv(sock)
+        body += chunk
+        data += chunk
     return data
+
+
+def _recv(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise ConnectionError("the peer closed the connection mid-message")
+    return chunk
 
 
 def test_a_charge_whose_answer_was_lost_is_sent_again_and_charges_once(
@@ -201,6 +214,7 @@ def test_a_charge_whose_answer_was_lost_is_sent_again_and_charges_once(
                                       payment_method=payment_method, now=timezone.now())
     settings.STRIPE_API_BASE = good
     assert len(answer_dropping_proxy.forwarded) == 1
+    assert answer_dropping_proxy.answers[0].startswith(b"HTTP/1.1 200")
     assert len(stripe_client.client().v1.charges.list({"customer": customer_id}).data) == 1
     (attempt,) = PaymentAttempt.objects.all()
     assert (attempt.status, attempt.stripe_payment_intent_id) == (PaymentStatus.PENDING, "")
@@ -287,3 +301,33 @@ def test_a_lost_webhook_is_made_up_by_the_sync(open_invoice):
     assert open_invoice.status == InvoiceStatus.PAID
     assert open_invoice.amount_paid == Decimal("200.00")
     assert services.payments_sync(older_than=timedelta(0)) == 0
+
+
+def test_a_new_default_card_retries_open_invoices_at_once(
+        open_invoice, client, django_capture_on_commit_callbacks):
+    # given an invoice declined once, its next retry a day away
+    org = open_invoice.organization
+    customer_id = _set_default_card(org, "pm_card_chargeCustomerFail")
+    t0 = timezone.now()
+    assert services.invoice_charge(invoice_id=open_invoice.id, now=t0) == "failed"
+    open_invoice.refresh_from_db()
+    assert open_invoice.next_payment_attempt_at > t0 + timedelta(hours=23)
+
+    # when the customer sets a working card as default (Stripe sends customer.updated)
+    customer_id = _set_default_card(org, "pm_card_visa")
+    customer = stripe_client.client().v1.customers.retrieve(customer_id).to_dict()
+    body = _event("evt_customer_1", "customer.updated", customer)
+    with django_capture_on_commit_callbacks() as enqueued:
+        response = client.post(WEBHOOK_URL, body, content_type="application/json",
+                               HTTP_STRIPE_SIGNATURE=_signed(body))
+
+    # then the invoice is due for a retry now, and its charge is enqueued
+    assert response.status_code == 200
+    assert StripeEvent.objects.get(stripe_id="evt_customer_1").outcome == (
+        "retrying 1 open invoice(s)")
+    assert len(enqueued) == 1
+    now = timezone.now()
+    assert services.invoices_dunning_run(now=now) == [open_invoice.id]
+    assert services.invoice_charge(invoice_id=open_invoice.id, now=now) == "succeeded"
+    charges = stripe_client.client().v1.charges.list({"customer": customer_id}).data
+    assert [c.status for c in charges if c.paid] == ["succeeded"]
