@@ -30,7 +30,14 @@ from decimal import Decimal
 import stripe
 from django.conf import settings
 from django.core.mail import send_mail
-from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db import (
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connection,
+    transaction,
+)
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -229,19 +236,26 @@ def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool
     return len(invoices), len(targets) - len(locked)
 
 
+MAX_FAILED_ORGS = 20
+
+
 def _close_isolating(targets: list[Target], *, now: datetime, enqueue_payments: bool,
                      report: CloseReport) -> int:
     """Close a chunk; if it fails, close its halves, down to the organization at fault.
 
     One organization whose data cannot be invoiced (an amount past the columns' range, a
     constraint broken by hand) is logged and left for a person, and never holds back the
-    invoices of the others. A database that is down fails the whole run (the task retries).
+    invoices of the others. What no organization could get past fails the whole run: a
+    database that is down (the task retries), a schema or query error (a bug), or more than
+    ``MAX_FAILED_ORGS`` organizations failing (the fault is not theirs).
     """
     try:
         created, skipped = _close_chunk(targets, now=now, enqueue_payments=enqueue_payments)
-    except (OperationalError, InterfaceError):
+    except (OperationalError, InterfaceError, ProgrammingError):
         raise
     except Exception:
+        if len(report.failed_orgs) >= MAX_FAILED_ORGS:
+            raise
         if len(targets) > 1:
             mid = len(targets) // 2
             return sum(_close_isolating(part, now=now, enqueue_payments=enqueue_payments,

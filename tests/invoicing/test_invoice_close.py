@@ -14,7 +14,7 @@ from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 
 import pytest
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import DatabaseError, DataError, IntegrityError, transaction
 
 from billing_platform.errors import Conflict
 from billing_platform.invoicing import services
@@ -289,6 +289,15 @@ def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month
     assert not january.lines.filter(kind=LineKind.LATE_USAGE).exists()
 
 
+def _corrupt_usage(org) -> None:
+    """October usage adding up past what an invoice can hold (150 hourly rollups of ~1e18)."""
+    UsageRollupHourly.objects.bulk_create([UsageRollupHourly(
+        organization=org, project=org.projects.first(), model="m-small", region="us-east",
+        service_tier="default", capacity_source="on_demand", currency=org.currency,
+        hour=OCT + timedelta(hours=h), requests=1, amount=d("999999999999999999"),
+        input_amount=d("999999999999999999")) for h in range(150)])
+
+
 def test_an_org_that_cannot_be_invoiced_never_holds_back_the_others(catalog, caplog):
     # given five orgs with October usage, and one whose October usage adds up past what an
     # invoice can hold (150 hourly rollups of ~1e18, corrupt data)
@@ -296,11 +305,7 @@ def test_an_org_that_cannot_be_invoiced_never_holds_back_the_others(catalog, cap
     for org in good:
         record(org, f"good-{org.id}", OCT + timedelta(days=3), prompt_tokens=1_000_000)
     bad = make_billed_org(name="Corrupt")
-    UsageRollupHourly.objects.bulk_create([UsageRollupHourly(
-        organization=bad, project=bad.projects.first(), model="m-small", region="us-east",
-        service_tier="default", capacity_source="on_demand", currency=bad.currency,
-        hour=OCT + timedelta(hours=h), requests=1, amount=d("999999999999999999"),
-        input_amount=d("999999999999999999")) for h in range(150)])
+    _corrupt_usage(bad)
 
     # when October closes, in chunks of four
     report = services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False,
@@ -314,6 +319,14 @@ def test_an_org_that_cannot_be_invoiced_never_holds_back_the_others(catalog, cap
     numbers = [int(i.number.rsplit("-", 1)[1]) for i in invoices]
     assert numbers == list(range(numbers[0], numbers[0] + 5))
     assert f"organization {bad.id}" in caplog.text and "could not be invoiced" in caplog.text
+
+
+def test_a_fault_common_to_many_orgs_fails_the_run_instead_of_skipping_them(catalog):
+    for i in range(services.MAX_FAILED_ORGS + 1):
+        _corrupt_usage(make_billed_org(name=f"Corrupt {i}"))
+    with pytest.raises(DataError):
+        services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    assert not Invoice.objects.exists()
 
 
 def test_finalized_invoices_are_immutable_and_unique_per_period(month):
