@@ -169,6 +169,7 @@ INVOICING_DUNNING_DAYS = E.INVOICING_DUNNING_DAYS
 INVOICING_NET_DAYS = 14             # due date of an invoice left for manual payment
 INVOICING_LATE_LOOKBACK_DAYS = 62   # periods starting this far back are rescanned for late usage
 INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction
+INVOICING_CLOSE_WORKERS = 2         # chunks closed at once, each on its own connection
 
 # Batch API (/v1/files, /v1/batches): OpenAI's limits, storage directory, execution knobs.
 FILES_DIR = E.FILES_DIR

@@ -9,6 +9,7 @@ invoicing makes of recorded, rated usage.
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 
@@ -319,6 +320,29 @@ def test_an_org_that_cannot_be_invoiced_never_holds_back_the_others(catalog, cap
     numbers = [int(i.number.rsplit("-", 1)[1]) for i in invoices]
     assert numbers == list(range(numbers[0], numbers[0] + 5))
     assert f"organization {bad.id}" in caplog.text and "could not be invoiced" in caplog.text
+
+
+def test_chunks_closed_in_parallel_invoice_every_org_once_numbered_without_gaps(
+        transactional_db, catalog, settings):
+    # given nine orgs with October usage, closed two orgs a chunk, two chunks at a time
+    settings.INVOICING_CLOSE_WORKERS = 2
+    orgs = [make_billed_org(name=f"Parallel {i}") for i in range(9)]
+    for i, org in enumerate(orgs):
+        record(org, f"par-{i}", OCT + timedelta(days=i + 1), prompt_tokens=(i + 1) * 1_000_000)
+
+    # when two closers run at once
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: services.period_close_run(
+            now=NOV + timedelta(hours=1), enqueue_payments=False, chunk=2), range(2)))
+
+    # then each org has one invoice with its own usage, and the numbers have no gaps
+    assert sum(r.invoices for r in runs) == 9
+    invoices = list(Invoice.objects.order_by("number"))
+    assert sorted(i.organization_id for i in invoices) == sorted(o.id for o in orgs)
+    totals = {i.organization_id: i.total for i in invoices}
+    assert totals == {o.id: Decimal(n + 1) for n, o in enumerate(orgs)}
+    numbers = [int(i.number.rsplit("-", 1)[1]) for i in invoices]
+    assert numbers == list(range(numbers[0], numbers[0] + 9))
 
 
 def test_a_fault_common_to_many_orgs_fails_the_run_instead_of_skipping_them(catalog):
