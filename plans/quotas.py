@@ -36,7 +36,7 @@ from django.utils import timezone
 from billing_platform.accounts.models import ApiKey, Organization, Project
 from billing_platform.errors import InvalidRequest
 from plans import admission
-from plans.models import Budget, BudgetAlert, QuotaAuditEvent, QuotaLimit
+from plans.models import Budget, BudgetAlert, QuotaAuditEvent, QuotaLimit, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,10 @@ def limits_of(*, organization_id: int, project_id: int, key_id: int
     return tuple(rpm), tuple(tpm), regions
 
 
-def _pricing_for(org: Organization, model: str, at: datetime) -> Any:
+def _pricing_for(org: Organization, sub: Subscription | None, model: str, at: datetime) -> Any:
     from plans.models import PriceBook
     from plans.pricing import PriceIndex
-    from plans.selectors import subscription_at
 
-    sub = subscription_at(organization=org, at=at)
     book_id = sub.plan.price_book_id if sub is not None and sub.plan.price_book_id else None
     if book_id is None:
         currency = sub.plan.currency if sub is not None else org.currency
@@ -124,11 +122,10 @@ def _pricing_for(org: Organization, model: str, at: datetime) -> Any:
     return candidates[-1] if candidates else None
 
 
-def _plan_exhausted(org: Organization, at: datetime) -> str:
+def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
     from plans.choices import CapPolicy
-    from plans.selectors import subscription_at, token_plan_status
+    from plans.selectors import token_plan_status
 
-    sub = subscription_at(organization=org, at=at)
     if sub is None:
         return ""
     status = token_plan_status(subscription=sub, at=at)
@@ -139,14 +136,13 @@ def _plan_exhausted(org: Organization, at: datetime) -> str:
     return "this period's credits are used up"
 
 
-def _plan_rule(org: Organization, model: str, at: datetime) -> admission.BudgetRule | None:
+def _plan_rule(sub: Subscription | None, model: str, at: datetime) -> admission.BudgetRule | None:
     """Return a blocking token plan's period credits as an admission rule (None otherwise)."""
     from plans.choices import ANY_MODEL, CapPolicy, PlanKind
     from plans.models import CreditCoefficient, TokenPlanPeriod
     from plans.periods import period_bounds
-    from plans.selectors import subscription_at, token_plan_status
+    from plans.selectors import token_plan_status
 
-    sub = subscription_at(organization=org, at=at)
     if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
             or sub.plan.cap_policy != CapPolicy.BLOCK or not sub.plan.credits_per_period):
         return None
@@ -171,7 +167,7 @@ def _plan_rule(org: Organization, model: str, at: datetime) -> admission.BudgetR
                       mine.get("output", zero)))
 
 
-def _window_rule(org: Organization, model: str, at: datetime) -> admission.WindowRule | None:
+def _window_rule(sub: Subscription | None, model: str, at: datetime) -> admission.WindowRule | None:
     """Return a blocking token plan's rolling window as an admission rule (None otherwise).
 
     The limit adds the credit packs left, as the period rule does: past the window's room the
@@ -182,9 +178,8 @@ def _window_rule(org: Organization, model: str, at: datetime) -> admission.Windo
 
     from plans.choices import ANY_MODEL, CapPolicy, PlanKind
     from plans.models import CreditCoefficient, TokenPlanUsage
-    from plans.selectors import subscription_at, token_plan_status
+    from plans.selectors import token_plan_status
 
-    sub = subscription_at(organization=org, at=at)
     if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
             or sub.plan.cap_policy != CapPolicy.BLOCK or sub.plan.window_credits is None):
         return None
@@ -245,15 +240,18 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
             suspended=b.suspended_at is not None))
     # org budget first, then the project's (the order of the spend-limit codes' precedence)
     budgets.sort(key=lambda b: b.scope != "organization")
-    plan_rule = _plan_rule(org, model, now)
+    from plans.selectors import subscription_at
+
+    sub = subscription_at(organization=org, at=now)  # read once: four rules depend on it
+    plan_rule = _plan_rule(sub, model, now)
     if plan_rule is not None:
         budgets.append(plan_rule)
     return admission.QuotaPolicy(
         org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
-        budgets=tuple(budgets), pricing=_pricing_for(org, model, now), allowed_regions=regions,
-        provisioned=_provisioned_for(organization_id, model, now),
-        plan_exhausted=_plan_exhausted(org, now), currency=org.currency,
-        window=_window_rule(org, model, now))
+        budgets=tuple(budgets), pricing=_pricing_for(org, sub, model, now),
+        allowed_regions=regions, provisioned=_provisioned_for(organization_id, model, now),
+        plan_exhausted=_plan_exhausted(sub, now), currency=org.currency,
+        window=_window_rule(sub, model, now))
 
 
 @dataclass(frozen=True)
