@@ -709,6 +709,7 @@ class _Batcher:
         self.client = client
         self.pending: list[tuple[int, list[str], list[Any], Any]] = []
         self.scheduled = False
+        self.flushing: set[Any] = set()
         self.shas: tuple[str, str] | None = None
 
     async def call(self, which: int, keys: list[str], argv: list[Any]) -> Any:
@@ -718,8 +719,12 @@ class _Batcher:
         future = loop.create_future()
         self.pending.append((which, keys, argv, future))
         if not self.scheduled:
+            # The flush task's first step runs at the next loop iteration, after every other
+            # call() made in this one has joined the batch.
             self.scheduled = True
-            loop.call_soon(lambda: loop.create_task(self._flush()))
+            task = loop.create_task(self._flush())
+            self.flushing.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(self.flushing.discard)
         return await future
 
     async def _load(self) -> tuple[str, str]:
@@ -728,7 +733,15 @@ class _Batcher:
         return self.shas
 
     async def _run(self, batch: list[tuple[int, list[str], list[Any], Any]]) -> list[Any]:
+        from redis.exceptions import ResponseError
+
         shas = self.shas or await self._load()
+        if len(batch) == 1:  # alone (the usual case at low load): no pipeline to build
+            which, keys, argv, _future = batch[0]
+            try:
+                return [await self.client.evalsha(shas[which], len(keys), *keys, *argv)]
+            except ResponseError as exc:  # as the pipeline returns it (NOSCRIPT included)
+                return [exc]
         pipe = self.client.pipeline(transaction=False)
         for which, keys, argv, _future in batch:
             pipe.evalsha(shas[which], len(keys), *keys, *argv)
