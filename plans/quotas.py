@@ -224,6 +224,8 @@ def _provisioned_for(org_id: int, model: str, at: datetime) -> admission.Provisi
 def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, model: str
                       ) -> admission.QuotaPolicy:
     """Return what admission enforces for one key and model, read from PostgreSQL."""
+    from plans.selectors import subscription_at
+
     now = timezone.now()
     org = Organization.objects.get(pk=organization_id)
     rpm, tpm, regions = limits_of(organization_id=organization_id, project_id=project_id,
@@ -240,8 +242,6 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
             suspended=b.suspended_at is not None))
     # org budget first, then the project's (the order of the spend-limit codes' precedence)
     budgets.sort(key=lambda b: b.scope != "organization")
-    from plans.selectors import subscription_at
-
     sub = subscription_at(organization=org, at=now)  # read once: four rules depend on it
     plan_rule = _plan_rule(sub, model, now)
     if plan_rule is not None:

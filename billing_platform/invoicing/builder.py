@@ -103,7 +103,8 @@ class UsageSum:
 # bench/invoice_run.py); the billed-usage ledger (small) keeps and sums its own amount.
 _SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "input_amount",
          "cached_input_amount", "output_amount")
-_CORE_SUMS = 5  # amount, requests and token counts; then the amount split by class
+# In the ledger's order (amount, *_SUMS): amount, requests and token counts come first.
+_CORE_SUMS = 5
 _SUM_SQL = ", ".join(f"SUM(r.{c})" for c in _SUMS)
 
 
@@ -172,8 +173,9 @@ def _usage_lines(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = 
     classes = u.by_token_class()
     rest = u.amount - sum((amount for _, _, amount in classes), ZERO)
     if rest:
-        # Rollups written before amounts were split by class: bill the remainder as its own
-        # line so the invoice still equals its events.
+        # Only late usage measured against a ledger row written before the class split
+        # (invoicing migration 0003 could not split it): bill the remainder as its own line so
+        # the invoice still equals its events.
         classes.append(("", 0, rest))
     for token_class, tokens, amount in classes:
         if not tokens and not amount:

@@ -682,7 +682,9 @@ def _customer_updated(customer: dict, *, now: datetime) -> str:
     retry the org's open invoices now instead of at the next dunning date, as Stripe does."""
     if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
         return "no change: no default payment method"
-    account = BillingAccount.objects.filter(stripe_customer_id=customer.get("id") or "-").first()
+    customer_id = customer.get("id")
+    account = (BillingAccount.objects.filter(stripe_customer_id=customer_id).first()
+               if customer_id else None)
     if account is None:
         return "ignored: not one of our customers"
     due = list(Invoice.objects.select_for_update()
