@@ -9,6 +9,9 @@ worst-case reservation), against the real Redis at ``REDIS_URL``. Policies are b
    waits for its decision (settlement runs after the response, so it is not added latency).
 2. throughput: ``--concurrency`` asyncio workers admit and settle for ``--seconds``;
    ``decisions_per_s`` counts admissions (each followed by its settlement, as in production).
+   The admissions and settlements of one event-loop tick share script calls, as in the
+   gateway. ``redis_script_us_per_decision`` is Redis's own time per admission + settlement
+   (from ``INFO commandstats``): whether this process or Redis's one thread is the limit.
 
 Prints one JSON line: ``{"decisions_per_s", "p50_ms", "p99_ms", ...}``.
 
@@ -85,9 +88,11 @@ async def run(args: argparse.Namespace) -> dict:
             done += 1
             i += args.concurrency
 
+    redis_before = await _script_usec()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
     elapsed = time.perf_counter() - t0
+    redis_us = await _script_usec() - redis_before
     return {
         "bench": "admission", "decisions_per_s": round(done / elapsed),
         "p50_ms": round(statistics.median(samples) * 1000, 3),
@@ -95,7 +100,19 @@ async def run(args: argparse.Namespace) -> dict:
         "latency_n": args.latency_n, "throughput_decisions": done,
         "concurrency": args.concurrency, "orgs": args.orgs,
         "checks_per_decision": "3 rpm + 2 tpm + 1 hard budget",
+        # Redis's own time in the scripts per decision (admission + settlement): the ceiling
+        # Redis's one thread puts on any number of gateway processes is 1e6 / this
+        "redis_script_us_per_decision": round(redis_us / max(done, 1), 1),
+        "redis_busy_fraction": round(redis_us / 1e6 / elapsed, 2),
     }
+
+
+async def _script_usec() -> int:
+    """Return the microseconds Redis has spent in EVALSHA since its stats were reset."""
+    from billing_platform.redis_conn import get_aredis
+
+    stats = await get_aredis().info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("usec", 0))
 
 
 async def cleanup(n_orgs: int) -> None:

@@ -4,22 +4,28 @@ Why one Lua script: a check followed by a separate write lets two gateway proces
 the check (budgets exceeded under concurrency, rate limits multiplied by the replica count).
 The script runs atomically inside Redis, so every gateway process shares one exact view.
 
-Redis keys (all of one organization share the hash tag ``{o<org id>}``, so one script only
+The gateway sends the admissions and settlements of one event-loop tick in one script call
+(``_Batcher``); the script runs them one after the other, each as if alone.
+
+Redis keys (all of one organization share the hash tag ``{o<org id>}``, so one operation only
 touches one slot):
 
-- ``tg:q:{o1}:rpm:<scope>``   ZSET, a sliding-window log of admitted request ids scored by ms.
-  Bounded by the limit itself; exactly ``rpm`` admissions in any 60 s window.
-- ``tg:q:{o1}:tpm:<scope>``   HASH ``t`` (tokens left), ``ts`` (ms): a token bucket that
-  refills ``tpm`` per minute. Admission takes prompt estimate + max output; settlement gives
-  back the difference to the actual tokens.
+- ``tg:q:{o1}:rl:<scope>``   HASH, one per scope ("o1", "p3", "k9"): the request window and
+  the token bucket. Requests: ``<second>`` -> admissions in that second, ``n`` their sum,
+  ``lo`` the oldest second counted. A second counts while any of it lies in the last 60 s
+  (61 buckets), so never more than ``rpm`` admissions fall in any 60 s, and a refused client
+  may wait up to one second longer than an exact log would make it (a log costs a ZSET write
+  per request and scope, the buckets one hash write). Tokens: ``t`` (tokens left), ``ts``
+  (ms): a bucket that refills ``tpm`` per minute. Admission takes prompt estimate + max
+  output; settlement gives back the difference to the actual tokens.
 - ``tg:q:{o1}:bud:<budget id>:<YYYYMM>``  HASH ``spent``, ``reserved`` in integer micro-units
   of the org's currency (1e-6), always rounded UP, so Redis never under-counts spend.
   ``spent`` is seeded from PostgreSQL (hourly rollups) when the key is missing.
-- ``tg:q:{o1}:res``  ZSET request id -> reservation expiry (ms); ``tg:q:{o1}:resv`` HASH
-  request id -> "<budget key> <micro> ..." (what the request reserved, per budget).
-  Every admission (and the beat sweep) first releases reservations past their expiry, so a
-  crashed gateway's reservations vanish after ``TOLLGATE_RESERVATION_TTL_S`` without a
-  worker; settlement removes them earlier.
+- ``tg:q:{o1}:res``  ZSET of reservations scored by expiry (ms); a member is
+  ``"<request id> <key> <micro> ..."``: what the request holds, per budget or window key.
+  Settlement removes it and gives back what it names; one left by a crashed gateway is
+  released by the first admission it would otherwise refuse (or the beat sweep) once
+  ``TOLLGATE_RESERVATION_TTL_S`` has passed, so nothing leaks and no worker is needed.
 - ``tg:q:{o1}:win:<subscription id>``  HASH: a blocking token plan's rolling window (5 hours
   by default) in micro-credits: ``m<minute since epoch>`` -> credits settled in that minute,
   ``reserved`` -> credits held by requests in flight (released like budget reservations).
@@ -36,9 +42,11 @@ Time is Redis's own clock (``TIME``), so gateway hosts with skewed clocks agree.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
+from functools import cached_property
 from typing import Any
 
 from django.conf import settings
@@ -48,263 +56,352 @@ from billing_platform.errors import DomainError
 RESERVATION_TTL_MS = int(settings.QUOTA_RESERVATION_TTL_S * 1000)
 MICRO = Decimal("1000000")
 
-# Shared by the scripts: Redis time in ms, and the release of reservations whose requests
-# never settled (crashed gateways). KEYS[1] is the reservation index, KEYS[2] their amounts.
-REDIS_NOW_LUA = r"""
+# The scripts share this prelude: Redis's clock in ms and s, and the reservation helpers.
+# A reservation is one member of the org's ``res`` ZSET, scored by its expiry:
+# "<request id> <key> <micro> [<key> <micro> ...]" (what it holds, per budget or window key).
+PRELUDE_LUA = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-RELEASE_EXPIRED_LUA = r"""
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for _, id in ipairs(expired) do
-  local v = redis.call('HGET', KEYS[2], id)
-  if v then
-    for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-      if amt ~= '0' and redis.call('EXISTS', key) == 1 then
-        redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
-      end
-    end
-    redis.call('HDEL', KEYS[2], id)
-  end
-  redis.call('ZREM', KEYS[1], id)
-end
-"""
-
-ADMIT_LUA = REDIS_NOW_LUA + r"""
-local rid, ttl, est = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n_rpm, n_tpm, n_bud, n_prov = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-  tonumber(ARGV[7])
-local n_win = tonumber(ARGV[8])
-local ki, ai = 3, 9
+local sec = math.floor(now / 1000)
 local LONG = 40 * 86400000
+local RATE_TTL = 120000
 
--- 1. release reservations of requests that never settled (crashed gateways)
-""" + RELEASE_EXPIRED_LUA + r"""
+local function int(x) return string.format('%d', x) end
+local secf = int(sec)  -- the current second's bucket (a field name)
 
--- 2. check everything; write nothing yet
-local reject, retry = false, 0
-local lim_req, rem_req, reset_req = -1, -1, 0
-local lim_tok, rem_tok, reset_tok = -1, -1, 0
-local rpm = {}
-for i = 1, n_rpm do
-  local key, limit = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - 60000)
-  local count = redis.call('ZCARD', key)
-  local oldest = now
-  if count > 0 then oldest = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2]) end
-  local reset = oldest + 60000 - now
-  if count >= limit and not reject then reject = 'requests'; retry = reset end
-  local rem = math.max(limit - count - 1, 0)
-  if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
-  rpm[i] = key
-end
-local tpm = {}
-for i = 1, n_tpm do
-  local key, cap = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
-  local h = redis.call('HMGET', key, 't', 'ts')
-  local level = cap
-  if h[1] then level = math.min(cap, tonumber(h[1]) + (now - tonumber(h[2])) * cap / 60000) end
-  if est > cap then
-    if not reject then reject = 'too_large'; retry = 0 end
-  elseif est > level and not reject then
-    reject = 'tokens'; retry = math.ceil((est - level) * 60000 / cap)
-  end
-  local rem = math.max(math.floor(level - est), 0)
-  if rem_tok < 0 or rem < rem_tok then
-    lim_tok, rem_tok = cap, rem
-    reset_tok = math.ceil((cap - math.max(level - est, 0)) * 60000 / cap)
-  end
-  tpm[i] = {key, level}
-end
-local bud = {}
-for i = 1, n_bud do
-  local key = KEYS[ki]; ki = ki + 1
-  local limit, worst, seed, hard = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]),
-    tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
-  ai = ai + 4
-  if redis.call('HSETNX', key, 'spent', seed) == 1 then
-    redis.call('HSETNX', key, 'reserved', 0)
-    redis.call('PEXPIRE', key, LONG)
-  end
-  local b = redis.call('HMGET', key, 'spent', 'reserved')
-  local spent, reserved = tonumber(b[1]), tonumber(b[2] or '0')
-  if hard == 1 and spent + reserved + worst > limit and not reject then
-    reject = 'budget:' .. i
-    if spent + worst > limit then retry = -1 else retry = 1000 end
-  end
-  if hard == 1 then bud[i] = {key, worst} else bud[i] = {key, 0} end
-end
-local win = nil
-if n_win == 1 then
-  local key = KEYS[ki]; ki = ki + 1
-  local limit, worst, wms, seed = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]),
-    tonumber(ARGV[ai + 2]), ARGV[ai + 3]
-  ai = ai + 4
-  if redis.call('EXISTS', key) == 0 then
-    redis.call('HSET', key, 'reserved', 0)
-    for m, v in string.gmatch(seed, '(%S+) (%S+)') do
-      redis.call('HINCRBY', key, 'm' .. m, tonumber(v))
+local function release(member)
+  for key, amt in string.gmatch(member, ' (%S+) (%S+)') do
+    if redis.call('EXISTS', key) == 1 then
+      redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
     end
-    redis.call('PEXPIRE', key, wms + 3600000)
   end
-  local from = now - wms
+end
+
+-- Release the reservations of requests that never settled (crashed gateways).
+local function release_expired(res)
+  local n = 0
+  while true do
+    local expired = redis.call('ZRANGEBYSCORE', res, '-inf', now, 'LIMIT', 0, 100)
+    for _, m in ipairs(expired) do
+      release(m)
+      redis.call('ZREM', res, m)
+    end
+    n = n + #expired
+    if #expired < 100 then return n end
+  end
+end
+
+-- A rate key's request count: buckets of one second; a bucket counts while any of it lies in
+-- the last 60 s (61 buckets), so the count never misses an admission. Returns the count and
+-- the oldest counted second, dropping buckets that left the window when ``write``.
+local function window(key, n, lo, write)
+  if lo >= sec - 60 then return n, lo end
   local h = redis.call('HGETALL', key)
-  local used, reserved, oldest = 0, 0, nil
+  local gone, drop, first = 0, {}, nil
   for j = 1, #h, 2 do
-    local f, v = h[j], tonumber(h[j + 1])
-    if f == 'reserved' then
-      reserved = v
-    else
-      local m = tonumber(string.sub(f, 2))
-      if (m + 1) * 60000 <= from then
-        redis.call('HDEL', key, f)
-      else
-        used = used + v
-        if v > 0 and (oldest == nil or m < oldest) then oldest = m end
+    local s = tonumber(h[j])  -- nil for the other fields: n, lo, t, ts
+    if s then
+      if s < sec - 60 then
+        gone = gone + tonumber(h[j + 1]); drop[#drop + 1] = h[j]
+      elseif first == nil or s < first then
+        first = s
       end
     end
   end
-  if used + reserved + worst > limit and not reject then
-    reject = 'window'
-    retry = 1000
-    if oldest and used + worst > limit then
-      retry = math.max((oldest + 1) * 60000 + wms - now, 1000)
+  if write and #drop > 0 then redis.call('HDEL', key, unpack(drop)) end
+  return math.max(n - gone, 0), first or sec
+end
+
+local function bucket_level(h_t, h_ts, cap)
+  if not h_t then return cap end
+  return math.min(cap, tonumber(h_t) + (now - tonumber(h_ts)) * cap / 60000)
+end
+"""
+
+ADMIT_LUA = r"""
+-- Budgets and the token plan's window: the first that this request's worst case would
+-- overrun, and what each would take.
+local function spend_check(ki, ai, n_bud, has_win)
+  local bud, win = {}, nil
+  for i = 1, n_bud do
+    local key, o = KEYS[ki + i - 1], ai + (i - 1) * 4
+    local limit, worst, hard = tonumber(ARGV[o]), tonumber(ARGV[o + 1]), ARGV[o + 3] == '1'
+    local b = redis.call('HMGET', key, 'spent', 'reserved')
+    local spent, reserved = tonumber(b[1] or ARGV[o + 2]), tonumber(b[2] or '0')
+    bud[i] = {key, hard and worst or 0, not b[1], ARGV[o + 2]}
+    if hard and spent + reserved + worst > limit then
+      if spent + worst > limit then return 'budget:' .. i, -1, bud, win end
+      return 'budget:' .. i, 1000, bud, win
     end
   end
-  win = {key, worst, wms}
-end
-local capacity = 'on_demand'
-local prov = nil
-if n_prov == 1 then
-  local key = KEYS[ki]
-  local cap, need, rej = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local h = redis.call('HMGET', key, 't', 'ts')
-  local level = cap
-  if h[1] then level = math.min(cap, tonumber(h[1]) + (now - tonumber(h[2])) * cap / 60000) end
-  if need <= level then
-    capacity = 'provisioned'; prov = {key, level - need}
-  elseif rej == 1 then
-    if not reject then reject = 'provisioned'; retry = math.ceil((need - level) * 60000 / cap) end
-  else
-    capacity = 'spillover'
+  if has_win then
+    local key, o = KEYS[ki + n_bud], ai + n_bud * 4
+    local limit, worst, wms, seed = tonumber(ARGV[o]), tonumber(ARGV[o + 1]),
+      tonumber(ARGV[o + 2]), ARGV[o + 3]
+    if redis.call('EXISTS', key) == 0 then
+      redis.call('HSET', key, 'reserved', 0)
+      for m, v in string.gmatch(seed, '(%S+) (%S+)') do
+        redis.call('HINCRBY', key, 'm' .. m, tonumber(v))
+      end
+      redis.call('PEXPIRE', key, wms + 3600000)
+    end
+    local from = now - wms
+    local h = redis.call('HGETALL', key)
+    local used, reserved, oldest = 0, 0, nil
+    for j = 1, #h, 2 do
+      local f, v = h[j], tonumber(h[j + 1])
+      if f == 'reserved' then
+        reserved = v
+      else
+        local m = tonumber(string.sub(f, 2))
+        if (m + 1) * 60000 <= from then
+          redis.call('HDEL', key, f)
+        else
+          used = used + v
+          if v > 0 and (oldest == nil or m < oldest) then oldest = m end
+        end
+      end
+    end
+    win = {key, worst, wms}
+    if used + reserved + worst > limit then
+      if oldest and used + worst > limit then
+        return 'window', math.max((oldest + 1) * 60000 + wms - now, 1000), bud, win
+      end
+      return 'window', 1000, bud, win
+    end
   end
+  return false, 0, bud, win
 end
 
-local headers = {lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok}
-if reject then
-  if rem_req >= 0 and reject ~= 'requests' then headers[2] = rem_req + 1 end
-  return {0, reject, retry, capacity, unpack(headers)}
-end
+-- KEYS: res, rate keys, budget keys, window key?, provisioned key?
+-- ARGV: request id, ttl, estimate, n_rate, n_bud, has_prov, has_win;
+--   per rate key: rpm (-1: none), tpm (-1: none); per budget: limit, worst, seed, hard;
+--   window: limit, worst, ms, seed; provisioned: tokens per minute, need, reject overflow
+local function admit(ki, ai)
+  local res = KEYS[ki]
+  local rid, ttl, est = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  local n_rate, n_bud = tonumber(ARGV[ai + 3]), tonumber(ARGV[ai + 4])
+  local has_prov, has_win = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
+  ki, ai = ki + 1, ai + 7
 
--- 3. all passed: take everything
-for _, key in ipairs(rpm) do
-  redis.call('ZADD', key, now, rid); redis.call('PEXPIRE', key, 61000)
-end
-for i, v in ipairs(tpm) do
-  redis.call('HSET', v[1], 't', v[2] - est, 'ts', now); redis.call('PEXPIRE', v[1], 120000)
-end
-if n_bud > 0 or win then
-  local parts = {}
-  for i, v in ipairs(bud) do
-    if v[2] > 0 then redis.call('HINCRBY', v[1], 'reserved', v[2]) end
-    parts[#parts + 1] = v[1] .. ' ' .. v[2]
+  -- 1. check everything; write nothing yet
+  local reject, retry, req_retry = false, 0, nil
+  local lim_req, rem_req, reset_req = -1, -1, 0
+  local lim_tok, rem_tok, reset_tok = -1, -1, 0
+  local rate = {}
+  for i = 1, n_rate do
+    local key, limit, cap = KEYS[ki], tonumber(ARGV[ai]), tonumber(ARGV[ai + 1])
+    ki, ai = ki + 1, ai + 2
+    local h = redis.call('HMGET', key, 'n', 'lo', secf, 't', 'ts')
+    -- the key's TTL is renewed by the first admission of each second (it outlives the
+    -- second's bucket by far), not by every admission
+    local renew = not h[5] or math.floor(tonumber(h[5]) / 1000) ~= sec
+    local r = {key, nil, nil, nil, nil, renew}
+    if limit >= 0 then
+      local n, lo = window(key, tonumber(h[1]) or 0, tonumber(h[2]) or sec, true)
+      local reset = (lo + 61) * 1000 - now
+      if n >= limit and req_retry == nil then req_retry = reset end
+      local rem = math.max(limit - n - 1, 0)
+      if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
+      r[2], r[3], r[4] = n, lo, tonumber(h[3]) or 0
+      r[6] = r[4] == 0
+    end
+    if cap >= 0 then
+      local level = bucket_level(h[4], h[5], cap)
+      if est > cap then
+        if not reject then reject = 'too_large'; retry = 0 end
+      elseif est > level and not reject then
+        reject = 'tokens'; retry = math.ceil((est - level) * 60000 / cap)
+      end
+      local rem = math.max(math.floor(level - est), 0)
+      if rem_tok < 0 or rem < rem_tok then
+        lim_tok, rem_tok = cap, rem
+        reset_tok = math.ceil((cap - math.max(level - est, 0)) * 60000 / cap)
+      end
+      r[5] = level
+    end
+    rate[i] = r
+  end
+  if req_retry ~= nil then reject, retry = 'requests', req_retry end
+
+  local bud, win = {}, nil
+  if n_bud > 0 or has_win then
+    local why, wait
+    why, wait, bud, win = spend_check(ki, ai, n_bud, has_win)
+    -- Reservations of crashed requests only matter when they would refuse this one.
+    if why and not reject and release_expired(res) > 0 then
+      why, wait, bud, win = spend_check(ki, ai, n_bud, has_win)
+    end
+    if why and not reject then reject, retry = why, wait end
+    ki = ki + n_bud + (has_win and 1 or 0)
+    ai = ai + n_bud * 4 + (has_win and 4 or 0)
+  end
+
+  local capacity, prov = 'on_demand', nil
+  if has_prov then
+    local key = KEYS[ki]
+    local cap, need, rej = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), ARGV[ai + 2] == '1'
+    local h = redis.call('HMGET', key, 't', 'ts')
+    local level = bucket_level(h[1], h[2], cap)
+    if need <= level then
+      capacity = 'provisioned'; prov = {key, level - need}
+    elseif rej then
+      if not reject then reject = 'provisioned'; retry = math.ceil((need - level) * 60000 / cap) end
+    else
+      capacity = 'spillover'
+    end
+  end
+
+  if reject then
+    if rem_req >= 0 and reject ~= 'requests' then rem_req = rem_req + 1 end
+    return {0, reject, retry, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok,
+            reset_tok, ''}
+  end
+
+  -- 2. all passed: take everything
+  for _, r in ipairs(rate) do
+    local f = {}
+    if r[2] then
+      f = {'n', int(r[2] + 1), 'lo', int(r[3]), secf, int(r[4] + 1)}
+    end
+    if r[5] then f[#f + 1] = 't'; f[#f + 1] = r[5] - est; f[#f + 1] = 'ts'; f[#f + 1] = now end
+    redis.call('HSET', r[1], unpack(f))
+    if r[6] then redis.call('PEXPIRE', r[1], RATE_TTL) end
+  end
+  local held = {rid}
+  for _, b in ipairs(bud) do
+    if b[3] then  -- first use this month: seed the settled spend from PostgreSQL
+      redis.call('HSET', b[1], 'spent', b[4], 'reserved', int(b[2]))
+      redis.call('PEXPIRE', b[1], LONG)
+    elseif b[2] > 0 then
+      redis.call('HINCRBY', b[1], 'reserved', b[2])
+    end
+    if b[2] > 0 then held[#held + 1] = b[1]; held[#held + 1] = int(b[2]) end
   end
   if win then
     redis.call('HINCRBY', win[1], 'reserved', win[2])
     redis.call('PEXPIRE', win[1], win[3] + 3600000)
-    parts[#parts + 1] = win[1] .. ' ' .. win[2]
+    if win[2] > 0 then held[#held + 1] = win[1]; held[#held + 1] = int(win[2]) end
   end
-  redis.call('HSET', KEYS[2], rid, table.concat(parts, ' '))
-  redis.call('ZADD', KEYS[1], now + ttl, rid)
-  redis.call('PEXPIRE', KEYS[1], LONG); redis.call('PEXPIRE', KEYS[2], LONG)
+  local member = ''
+  if #held > 1 then
+    member = table.concat(held, ' ')
+    redis.call('ZADD', res, now + ttl, member)
+    redis.call('PEXPIRE', res, LONG)
+  end
+  if prov then
+    redis.call('HSET', prov[1], 't', prov[2], 'ts', now); redis.call('PEXPIRE', prov[1], RATE_TTL)
+  end
+  return {1, '', 0, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok, member}
 end
-if prov then
-  redis.call('HSET', prov[1], 't', prov[2], 'ts', now); redis.call('PEXPIRE', prov[1], 120000)
-end
-return {1, '', 0, capacity, unpack(headers)}
-"""
 
-SETTLE_LUA = REDIS_NOW_LUA + r"""
-local rid = ARGV[1]
-local n_bud, n_tpm, n_prov = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local n_win = tonumber(ARGV[5])
-local v = redis.call('HGET', KEYS[2], rid)
-if v then
-  for key, amt in string.gmatch(v, '(%S+) (%S+)') do
-    if amt ~= '0' and redis.call('EXISTS', key) == 1 then
-      redis.call('HINCRBY', key, 'reserved', 0 - tonumber(amt))
+-- KEYS: res, budget keys, window key?, token bucket keys (rate keys, provisioned)
+-- ARGV: reservation member ('' when none), n_bud, has_win, n_buckets;
+--   per budget: actual; window: actual, ms; per bucket: capacity, refund
+local function settle(ki, ai)
+  local res, member = KEYS[ki], ARGV[ai]
+  local n_bud, has_win, n_tok = tonumber(ARGV[ai + 1]), ARGV[ai + 2] == '1', tonumber(ARGV[ai + 3])
+  ki, ai = ki + 1, ai + 4
+  local held, released = {}, 0
+  if member ~= '' and redis.call('ZREM', res, member) == 1 then
+    released = 1
+    for key, amt in string.gmatch(member, ' (%S+) (%S+)') do held[key] = tonumber(amt) end
+  end
+  for i = 1, n_bud do
+    local key, actual = KEYS[ki], tonumber(ARGV[ai]); ki, ai = ki + 1, ai + 1
+    local amt = held[key] or 0
+    held[key] = nil
+    if actual > 0 or amt > 0 then
+      local b = redis.call('HMGET', key, 'spent', 'reserved')
+      -- a missing key is seeded from PostgreSQL at the next admission
+      if b[1] then
+        redis.call('HSET', key, 'spent', int(tonumber(b[1]) + actual),
+                   'reserved', int(tonumber(b[2] or '0') - amt))
+      end
     end
   end
-  redis.call('HDEL', KEYS[2], rid)
-  redis.call('ZREM', KEYS[1], rid)
-end
-local ki, ai = 3, 6
-for i = 1, n_bud do
-  local key = KEYS[ki]; ki = ki + 1
-  local actual = tonumber(ARGV[ai]); ai = ai + 1
-  if actual > 0 then
-    redis.call('HINCRBY', key, 'spent', actual); redis.call('PEXPIRE', key, 40 * 86400000)
+  if has_win then
+    local key = KEYS[ki]; ki = ki + 1
+    local actual, wms = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
+    local amt = held[key] or 0
+    held[key] = nil
+    -- A missing key is seeded from the ledger at the next admission (this request included
+    -- once it is ingested); writing here would make a key that skips the seed.
+    if (actual > 0 or amt > 0) and redis.call('EXISTS', key) == 1 then
+      if actual > 0 then redis.call('HINCRBY', key, 'm' .. math.floor(now / 60000), actual) end
+      if amt > 0 then redis.call('HINCRBY', key, 'reserved', 0 - amt) end
+      redis.call('PEXPIRE', key, wms + 3600000)
+    end
   end
-end
-for i = 1, n_win do
-  local key = KEYS[ki]; ki = ki + 1
-  local actual, wms = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
-  -- A missing key is seeded from the ledger at the next admission (this request included
-  -- once it is ingested); writing here would make a key that skips the seed.
-  if actual > 0 and redis.call('EXISTS', key) == 1 then
-    redis.call('HINCRBY', key, 'm' .. math.floor(now / 60000), actual)
-    redis.call('PEXPIRE', key, wms + 3600000)
+  for key, amt in pairs(held) do  -- held under a key this settlement no longer names
+    if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'reserved', 0 - amt) end
   end
-end
-for i = 1, n_tpm + n_prov do
-  local key = KEYS[ki]; ki = ki + 1
-  local cap, refund = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
-  local h = redis.call('HMGET', key, 't', 'ts')
-  if h[1] and refund ~= 0 then
-    local level = math.min(cap, tonumber(h[1]) + (now - tonumber(h[2])) * cap / 60000)
-    redis.call('HSET', key, 't', math.min(cap, level + refund), 'ts', now)
+  for i = 1, n_tok do
+    local key = KEYS[ki]; ki = ki + 1
+    local cap, refund = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
+    if refund ~= 0 then
+      local h = redis.call('HMGET', key, 't', 'ts')
+      if h[1] then
+        redis.call('HSET', key, 't', math.min(cap, bucket_level(h[1], h[2], cap) + refund),
+                   'ts', now)
+      end
+    end
   end
+  return released
 end
-return v and 1 or 0
+"""
+
+# One call runs a batch of admissions and settlements, in order, each on its own: ARGV[1] is
+# the count, then per operation its kind ('a' | 's'), its KEYS count and ARGV count, and its
+# ARGV; KEYS are the operations' keys in order. One failing operation (an error) answers an
+# error in its place and leaves the others alone.
+STEP_LUA = PRELUDE_LUA + ADMIT_LUA + r"""
+local out, ki, ai = {}, 1, 2
+for i = 1, tonumber(ARGV[1]) do
+  local kind, nk, na = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  local ok, r = pcall(kind == 'a' and admit or settle, ki, ai + 3)
+  if ok then
+    out[i] = r
+  else
+    out[i] = {err = type(r) == 'table' and r.err or tostring(r)}
+  end
+  ki, ai = ki + nk, ai + 3 + na
+end
+return out
 """
 
 # Release expired reservations of one org without admitting anything (the beat sweep).
-PURGE_LUA = REDIS_NOW_LUA + RELEASE_EXPIRED_LUA + r"""
-return #expired
+PURGE_LUA = PRELUDE_LUA + r"""
+return release_expired(KEYS[1])
 """
 
 # Report the rate-limit state of a key without taking anything (every /v1 answer that did not
-# go through admission: model lists, errors, refusals before admission). Read-only: the
-# sliding window is counted from ``now - 60 s`` instead of being trimmed.
-PEEK_LUA = REDIS_NOW_LUA + r"""
-local n_rpm, n_tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local ki, ai = 1, 3
+# go through admission: model lists, errors, refusals before admission). Read-only.
+# KEYS: rate keys; ARGV: per key: rpm (-1: none), tpm (-1: none)
+PEEK_LUA = PRELUDE_LUA + r"""
 local lim_req, rem_req, reset_req = -1, -1, 0
 local lim_tok, rem_tok, reset_tok = -1, -1, 0
-for i = 1, n_rpm do
-  local key, limit = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
-  local live = redis.call('ZRANGEBYSCORE', key, '(' .. (now - 60000), '+inf', 'WITHSCORES',
-    'LIMIT', 0, 1)
-  local count = redis.call('ZCOUNT', key, '(' .. (now - 60000), '+inf')
-  local reset = 0
-  if live[2] then reset = tonumber(live[2]) + 60000 - now end
-  local rem = math.max(limit - count, 0)
-  if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
-end
-for i = 1, n_tpm do
-  local key, cap = KEYS[ki], tonumber(ARGV[ai]); ki = ki + 1; ai = ai + 1
-  local h = redis.call('HMGET', key, 't', 'ts')
-  local level = cap
-  if h[1] then level = math.min(cap, tonumber(h[1]) + (now - tonumber(h[2])) * cap / 60000) end
-  local rem = math.max(math.floor(level), 0)
-  if rem_tok < 0 or rem < rem_tok then
-    lim_tok, rem_tok = cap, rem
-    reset_tok = math.ceil((cap - math.max(level, 0)) * 60000 / cap)
+for i = 1, #KEYS do
+  local key, limit, cap = KEYS[i], tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  local h = redis.call('HMGET', key, 'n', 'lo', 't', 'ts')
+  if limit >= 0 then
+    local n, lo = window(key, tonumber(h[1]) or 0, tonumber(h[2]) or sec, false)
+    local reset = 0
+    if n > 0 then reset = (lo + 61) * 1000 - now end
+    local rem = math.max(limit - n, 0)
+    if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
+  end
+  if cap >= 0 then
+    local level = bucket_level(h[3], h[4], cap)
+    local rem = math.max(math.floor(level), 0)
+    if rem_tok < 0 or rem < rem_tok then
+      lim_tok, rem_tok = cap, rem
+      reset_tok = math.ceil((cap - math.max(level, 0)) * 60000 / cap)
+    end
   end
 end
 return {lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok}
 """
-
 
 # --- key names -----------------------------------------------------------------------------
 
@@ -312,26 +409,24 @@ def _tag(org_id: int) -> str:
     return f"tg:q:{{o{org_id}}}"
 
 
-def reservations_keys(org_id: int) -> tuple[str, str]:
-    return f"{_tag(org_id)}:res", f"{_tag(org_id)}:resv"
+def reservations_key(org_id: int) -> str:
+    return f"{_tag(org_id)}:res"
 
 
 def budget_key(org_id: int, budget_id: int, at: datetime) -> str:
     return f"{_tag(org_id)}:bud:{budget_id}:{at:%Y%m}"
 
 
-def rule_key(org_id: int, rule: BudgetRule, at: datetime) -> str:
+def rule_key(org_id: int, rule: BudgetRule, month: str) -> str:
+    """Return the Redis key of a budget rule; ``month`` is ``YYYYMM`` (UTC)."""
     if rule.scope == "plan":
         return f"{_tag(org_id)}:plan:{rule.budget_id}:{rule.period_tag}"
-    return budget_key(org_id, rule.budget_id, at)
+    return f"{_tag(org_id)}:bud:{rule.budget_id}:{month}"
 
 
-def rpm_key(org_id: int, scope: str) -> str:
-    return f"{_tag(org_id)}:rpm:{scope}"
-
-
-def tpm_key(org_id: int, scope: str) -> str:
-    return f"{_tag(org_id)}:tpm:{scope}"
+def rate_key(org_id: int, scope: str) -> str:
+    """Return the key holding one scope's request window and token bucket."""
+    return f"{_tag(org_id)}:rl:{scope}"
 
 
 def window_key(org_id: int, subscription_id: int) -> str:
@@ -410,6 +505,36 @@ class QuotaPolicy:
     plan_exhausted: str = ""  # non-empty: a blocking token plan is out of credits (why)
     currency: str = "USD"
     window: WindowRule | None = None
+
+    @cached_property
+    def rate_scopes(self) -> tuple[tuple[str, int, int], ...]:
+        """Return (rate key, rpm or -1, tpm or -1) per scope, RPM scopes first."""
+        rpm, tpm = dict(self.rpm), dict(self.tpm)
+        scopes = list(rpm) + [s for s in tpm if s not in rpm]
+        return tuple((rate_key(self.org_id, s), rpm.get(s, -1), tpm.get(s, -1))
+                     for s in scopes)
+
+    @cached_property
+    def static_admit(self) -> tuple[list[str], list[Any]]:
+        """Return the KEYS and ARGV of the rate limits, which every admission repeats."""
+        keys = [reservations_key(self.org_id)] + [k for k, _r, _t in self.rate_scopes]
+        argv: list[Any] = []
+        for _k, rpm, tpm in self.rate_scopes:
+            argv += [rpm, tpm]
+        return keys, argv
+
+    @cached_property
+    def budget_static(self) -> tuple[tuple[int, int, int], ...]:
+        """Return (limit, seed, hard) per budget rule, in micro-units."""
+        return tuple((to_micro(b.limit), to_micro(b.spent_seed), int(b.hard))
+                     for b in self.budgets)
+
+    def budget_keys(self, month: str) -> list[str]:
+        cached = self.__dict__.get("_budget_keys")
+        if cached is None or cached[0] != month:
+            cached = (month, [rule_key(self.org_id, b, month) for b in self.budgets])
+            self.__dict__["_budget_keys"] = cached
+        return cached[1]
 
 
 class QuotaExceeded(DomainError):
@@ -528,6 +653,7 @@ class Ticket:
     capacity: str
     headers: dict[str, str]
     budget_keys: list[str]
+    reservation: str = ""  # the member of the org's reservation ZSET ("" when none)
     settled: bool = False
     window_key: str = ""
 
@@ -537,9 +663,11 @@ class Ticket:
         cost = actual_micro(p.pricing, tier=self.tier, zone=self.zone,
                             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens)
-        keys = [*reservations_keys(p.org_id), *self.budget_keys]
-        argv: list[Any] = [self.request_id, len(self.budget_keys), len(p.tpm),
-                           int(self.capacity == "provisioned"), int(bool(self.window_key))]
+        keys = [reservations_key(p.org_id), *self.budget_keys]
+        refunds = [(k, tpm) for k, _rpm, tpm in p.rate_scopes if tpm >= 0]
+        provisioned = self.capacity == "provisioned" and p.provisioned is not None
+        argv: list[Any] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
+                           len(refunds) + int(provisioned)]
         for rule in p.budgets:
             argv.append(cost if rule.coefficients is None else credits_micro(
                 rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
@@ -549,11 +677,11 @@ class Ticket:
             argv += [credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
                                    cached_tokens=cached_tokens,
                                    completion_tokens=completion_tokens), p.window.window_ms]
-        used = prompt_tokens + completion_tokens
-        for scope, cap in p.tpm:
-            keys.append(tpm_key(p.org_id, scope))
-            argv += [cap, self.estimate_tokens - used]
-        if self.capacity == "provisioned" and p.provisioned is not None:
+        unused = self.estimate_tokens - prompt_tokens - completion_tokens
+        for key, cap in refunds:
+            keys.append(key)
+            argv += [cap, unused]
+        if provisioned:
             from plans.pricing import normalized_tokens
 
             norm = normalized_tokens(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
@@ -569,32 +697,48 @@ SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
                "project": "project_spend_limit_exceeded"}
 
 
+_month: tuple[float, float, str] = (0.0, 0.0, "")
+
+
+def month_tag(at: float | None = None) -> str:
+    """Return ``YYYYMM`` (UTC) of ``at`` (a timestamp; now by default), cached per month."""
+    global _month
+    at = time.time() if at is None else at
+    start, end, tag = _month
+    if start <= at < end:
+        return tag
+    d = datetime.fromtimestamp(at, tz=UTC)
+    first = datetime(d.year, d.month, 1, tzinfo=UTC)
+    nxt = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=UTC)
+    _month = (first.timestamp(), nxt.timestamp(), f"{d:%Y%m}")
+    return _month[2]
+
+
 def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
-                prompt_tokens: int, max_output: int, now: datetime | None = None
-                ) -> tuple[list[str], list[Any], list[str], int, int]:
-    """Return (KEYS, ARGV, budget keys, worst micro, normalized estimate) of one admission.
+                prompt_tokens: int, max_output: int, month: str | None = None
+                ) -> tuple[list[str], list[Any], list[str], int]:
+    """Return (KEYS, ARGV, budget keys, normalized estimate) of one admission.
 
     The window key, when the policy has one, follows the budget keys in KEYS.
     """
-    now = now or datetime.now(tz=UTC)
     p = policy
     est = prompt_tokens + max_output
-    worst = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
-                             max_output=max_output)
-    keys = list(reservations_keys(p.org_id))
-    argv: list[Any] = [request_id, RESERVATION_TTL_MS, est, len(p.rpm), len(p.tpm),
-                       len(p.budgets), int(p.provisioned is not None), int(p.window is not None)]
-    keys += [rpm_key(p.org_id, s) for s, _ in p.rpm]
-    argv += [limit for _, limit in p.rpm]
-    keys += [tpm_key(p.org_id, s) for s, _ in p.tpm]
-    argv += [limit for _, limit in p.tpm]
-    bkeys = [rule_key(p.org_id, b, now) for b in p.budgets]
-    keys += bkeys
-    for b in p.budgets:
-        rule_worst = worst if b.coefficients is None else credits_micro(
-            b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
-            completion_tokens=max_output)
-        argv += [to_micro(b.limit), rule_worst, to_micro(b.spent_seed), int(b.hard)]
+    static_keys, static_argv = p.static_admit
+    keys = list(static_keys)
+    argv: list[Any] = [request_id, RESERVATION_TTL_MS, est, len(p.rate_scopes),
+                       len(p.budgets), int(p.provisioned is not None),
+                       int(p.window is not None), *static_argv]
+    bkeys: list[str] = []
+    if p.budgets:
+        worst = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                                 max_output=max_output)
+        bkeys = p.budget_keys(month or month_tag())
+        keys += bkeys
+        for b, (limit, seed, hard) in zip(p.budgets, p.budget_static, strict=True):
+            rule_worst = worst if b.coefficients is None else credits_micro(
+                b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
+                completion_tokens=max_output)
+            argv += [limit, rule_worst, seed, hard]
     if p.window is not None:
         w = p.window
         keys.append(window_key(p.org_id, w.subscription_id))
@@ -607,7 +751,7 @@ def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         norm = math.ceil(prompt_tokens + max_output * r.output_burndown)
         keys.append(prov_key(p.org_id, r.reservation_id))
         argv += [r.tokens_per_minute, norm, int(r.reject_overflow)]
-    return keys, argv, bkeys, worst, norm
+    return keys, argv, bkeys, norm
 
 
 def explain(policy: QuotaPolicy, reason: str, raw_headers: list[Any], retry_ms: int,
@@ -667,10 +811,6 @@ def spend_limit_error(rule: BudgetRule, headers: dict[str, str]) -> QuotaExceede
         code=SPEND_CODES[rule.scope], headers=headers)
 
 
-def admit_sync(client: Any, script: Any, keys: list[str], argv: list[Any]) -> list[Any]:
-    return script(keys=keys, args=argv, client=client)
-
-
 # --- the runtime the gateway calls ----------------------------------------------------------
 
 POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
@@ -679,7 +819,6 @@ _policies: dict[tuple[int, str], tuple[float, QuotaPolicy]] = {}
 
 async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> QuotaPolicy:
     """Return the (key, model) policy, re-read from PostgreSQL at most every POLICY_TTL_S."""
-    import time
 
     from asgiref.sync import sync_to_async
 
@@ -698,68 +837,72 @@ async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> Q
 
 
 class _Batcher:
-    """Send the admissions and settlements of one event-loop tick as ONE pipeline.
+    """Send the admissions and settlements of one event-loop tick as ONE script call.
 
-    Each script still runs atomically on its own; batching only shares the round trip and
-    the syscalls, which is what bounds decisions per second from one process. A request waits
-    at most one loop iteration longer than it would alone.
+    The script runs them one after the other, each exactly as it would run alone (a batch
+    only shares the round trip, the command parsing and the script's start-up, which is what
+    bounds decisions per second from one process); an operation that fails answers its own
+    error. A request waits at most one loop iteration longer than it would alone.
+    All keys of one organization share a hash tag; a batch mixes organizations, so this
+    client targets one Redis server (a Redis Cluster client would batch per hash slot).
     """
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self.pending: list[tuple[int, list[str], list[Any], Any]] = []
+        self.pending: list[tuple[str, list[str], list[Any], Any]] = []
         self.scheduled = False
         self.flushing: set[Any] = set()
-        self.shas: tuple[str, str] | None = None
+        self.sha: str | None = None
 
-    async def call(self, which: int, keys: list[str], argv: list[Any]) -> Any:
+    async def call(self, kind: str, keys: list[str], argv: list[Any]) -> Any:
         import asyncio
 
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((which, keys, argv, future))
-        if not self.scheduled:
-            # The flush task's first step runs at the next loop iteration, after every other
+        self.pending.append((kind, keys, argv, future))
+        if len(self.pending) >= MAX_BATCH:
+            # A full batch goes now: Redis runs it while this process prepares the next one.
+            self._spawn(loop, self.pending)
+            self.pending = []
+        elif not self.scheduled:
+            # The flush's first step runs at the next loop iteration, after every other
             # call() made in this one has joined the batch.
             self.scheduled = True
-            task = loop.create_task(self._flush())
-            self.flushing.add(task)  # the loop holds tasks weakly
-            task.add_done_callback(self.flushing.discard)
+            self._spawn(loop, None)
         return await future
 
-    async def _load(self) -> tuple[str, str]:
-        self.shas = (await self.client.script_load(ADMIT_LUA),
-                     await self.client.script_load(SETTLE_LUA))
-        return self.shas
+    def _spawn(self, loop: Any, batch: list[Any] | None) -> None:
+        task = loop.create_task(self._flush(batch))
+        self.flushing.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self.flushing.discard)
 
-    async def _run(self, batch: list[tuple[int, list[str], list[Any], Any]]) -> list[Any]:
-        from redis.exceptions import ResponseError
-
-        shas = self.shas or await self._load()
-        if len(batch) == 1:  # alone (the usual case at low load): no pipeline to build
-            which, keys, argv, _future = batch[0]
-            try:
-                return [await self.client.evalsha(shas[which], len(keys), *keys, *argv)]
-            except ResponseError as exc:  # as the pipeline returns it (NOSCRIPT included)
-                return [exc]
-        pipe = self.client.pipeline(transaction=False)
-        for which, keys, argv, _future in batch:
-            pipe.evalsha(shas[which], len(keys), *keys, *argv)
-        return await pipe.execute(raise_on_error=False)
-
-    async def _flush(self) -> None:
+    async def _run(self, batch: list[tuple[str, list[str], list[Any], Any]]) -> list[Any]:
         from redis.exceptions import NoScriptError
 
-        self.scheduled = False
-        batch, self.pending = self.pending, []
+        all_keys: list[str] = []
+        all_argv: list[Any] = [len(batch)]
+        for kind, keys, argv, _future in batch:
+            all_keys += keys
+            all_argv += [kind, len(keys), len(argv), *argv]
+        if self.sha is None:
+            self.sha = await self.client.script_load(STEP_LUA)
+        try:
+            return await self.client.execute_command(
+                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+        except NoScriptError:
+            # Redis lost its script cache (a restart): nothing ran; load it and run again.
+            self.sha = await self.client.script_load(STEP_LUA)
+            return await self.client.execute_command(
+                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+
+    async def _flush(self, batch: list[Any] | None) -> None:
+        if batch is None:
+            self.scheduled = False
+            batch, self.pending = self.pending, []
+            if not batch:
+                return
         try:
             results = await self._run(batch)
-            if any(isinstance(r, NoScriptError) for r in results):
-                # Redis lost its script cache (restart): a NOSCRIPT call did not run; rerun it.
-                await self._load()
-                again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-                for i, r in zip(again, await self._run([batch[i] for i in again]), strict=True):
-                    results[i] = r
         except Exception as exc:
             for *_rest, future in batch:
                 if not future.done():
@@ -774,21 +917,31 @@ class _Batcher:
                 future.set_result(result)
 
 
+# Operations per script call: big enough to share the round trip, small enough that two
+# batches overlap (Redis runs one while this process answers the other).
+MAX_BATCH = 32
 _batchers: Any = None
+_last: tuple[Any, _Batcher] | None = None
 
 
 def _batcher() -> _Batcher:
+    """Return the batcher of the running loop's Redis client (one per client)."""
+    import asyncio
     import weakref
 
     from billing_platform.redis_conn import get_aredis
 
-    global _batchers
+    global _batchers, _last
+    loop = asyncio.get_running_loop()
+    if _last is not None and _last[0] is loop:
+        return _last[1]
     if _batchers is None:
         _batchers = weakref.WeakKeyDictionary()
     client = get_aredis()
     batcher = _batchers.get(client)
     if batcher is None:
         batcher = _batchers[client] = _Batcher(client)
+    _last = (loop, batcher)
     return batcher
 
 
@@ -802,10 +955,10 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         raise QuotaExceeded(f"Your token plan's credits are exhausted: "
                             f"{policy.plan_exhausted}. Buy a credit pack or wait.",
                             code="plan_quota_exhausted", headers={"retry-after": "60"})
-    keys, argv, bkeys, _worst, norm = build_admit(
+    keys, argv, bkeys, norm = build_admit(
         policy, request_id=request_id, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
         max_output=max_output)
-    raw = await _batcher().call(0, keys, argv)
+    raw = await _batcher().call("a", keys, argv)
     ok, reason, retry, capacity = int(raw[0]), raw[1], int(raw[2]), raw[3]
     if not ok:
         raise explain(policy, reason, raw[4:10], retry, estimate=prompt_tokens + max_output)
@@ -814,7 +967,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         headers["x-tollgate-capacity"] = capacity
     return Ticket(policy=policy, request_id=request_id, tier=tier, zone=zone,
                   estimate_tokens=prompt_tokens + max_output, estimate_norm=norm,
-                  capacity=capacity, headers=headers, budget_keys=bkeys,
+                  capacity=capacity, headers=headers, budget_keys=bkeys, reservation=raw[10],
                   window_key=(window_key(policy.org_id, policy.window.subscription_id)
                               if policy.window is not None else ""))
 
@@ -827,7 +980,7 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
     ticket.settled = True
     keys, argv = ticket.settle_args(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                                     completion_tokens=completion_tokens)
-    await _batcher().call(1, keys, argv)
+    await _batcher().call("s", keys, argv)
 
 
 # --- read-only state for answers that were not admitted ------------------------------------
@@ -839,7 +992,6 @@ _peek_script: Any = None
 
 async def alimits(*, org_id: int, project_id: int, key_id: int) -> Limits:
     """Return the key's (rpm, tpm) limits per scope, from a cached policy or PostgreSQL."""
-    import time
 
     from asgiref.sync import sync_to_async
 
@@ -866,7 +1018,9 @@ async def apeek_headers(*, org_id: int, project_id: int, key_id: int) -> dict[st
     client = get_aredis()
     if _peek_script is None:
         _peek_script = client.register_script(PEEK_LUA)
-    keys = [rpm_key(org_id, s) for s, _ in rpm] + [tpm_key(org_id, s) for s, _ in tpm]
-    argv = [len(rpm), len(tpm), *(v for _, v in rpm), *(v for _, v in tpm)]
+    rpm_of, tpm_of = dict(rpm), dict(tpm)
+    scopes = list(rpm_of) + [s for s in tpm_of if s not in rpm_of]
+    keys = [rate_key(org_id, s) for s in scopes]
+    argv = [v for s in scopes for v in (rpm_of.get(s, -1), tpm_of.get(s, -1))]
     raw = await _peek_script(keys=keys, args=argv, client=client)
     return rate_headers(raw)

@@ -461,7 +461,7 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
 
     at = at or timezone.now()
     r = get_redis()
-    r.eval(admission.PURGE_LUA, 2, *admission.reservations_keys(budget.organization_id))
+    r.eval(admission.PURGE_LUA, 1, admission.reservations_key(budget.organization_id))
     key = admission.budget_key(budget.organization_id, budget.id, at)
     start, end = month_bounds(at)
     pg = rated_spend(organization_id=budget.organization_id, project_id=budget.project_id,

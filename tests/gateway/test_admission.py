@@ -158,7 +158,7 @@ def test_200_concurrent_requests_never_exceed_a_hard_budget(two_gateways):
     # and every admitted request settled: nothing is left reserved
     from billing_platform.redis_conn import get_redis
 
-    assert get_redis().hlen(admission.reservations_keys(org.id)[1]) == 0
+    assert get_redis().zcard(admission.reservations_key(org.id)) == 0
     assert all("settlement" not in g.log() for g in two_gateways)
 
 
@@ -195,5 +195,4 @@ def test_a_killed_requests_reservation_is_released_within_its_ttl(two_gateways):
     assert ok
     from billing_platform.redis_conn import get_redis
 
-    res_key, resv_key = admission.reservations_keys(org.id)
-    assert get_redis().zcard(res_key) == 0 and get_redis().hlen(resv_key) == 0
+    assert get_redis().zcard(admission.reservations_key(org.id)) == 0

@@ -1,6 +1,7 @@
-"""The admission client against the real Redis: calls made in one event-loop tick share one
-pipeline and each still runs its own atomic script (an RPM limit holds exactly), a lone call
-skips the pipeline, and both recover when Redis has lost its script cache."""
+"""The admission client against the real Redis: calls made in one event-loop tick share script
+calls (batches of at most ``MAX_BATCH``) and each still runs on its own (an RPM limit holds
+exactly; a failing one fails alone), and the client recovers when Redis has lost its script
+cache."""
 
 from __future__ import annotations
 
@@ -43,15 +44,39 @@ async def _cleanup(policy: admission.QuotaPolicy) -> None:
 
 
 def test_admissions_made_in_one_tick_are_each_answered_and_the_limit_holds_exactly():
+    # more calls than one batch holds: several script calls, in flight together
+    calls = 3 * admission.MAX_BATCH + 5
+
     async def run() -> list:
-        policy = _policy(rpm=10)
+        policy = _policy(rpm=2 * admission.MAX_BATCH + 1)
         try:
-            return await asyncio.gather(*(_admit(policy) for _ in range(25)))
+            return await asyncio.gather(*(_admit(policy) for _ in range(calls)))
         finally:
             await _cleanup(policy)
 
     tickets = asyncio.run(run())
-    assert sum(t is not None for t in tickets) == 10
+    assert len(tickets) == calls
+    assert sum(t is not None for t in tickets) == 2 * admission.MAX_BATCH + 1
+
+
+def test_an_admission_that_fails_in_redis_fails_alone_in_its_batch():
+    from redis.exceptions import ResponseError
+
+    async def run() -> tuple:
+        good, bad = _policy(rpm=100), _policy(rpm=100)
+        # a key of the wrong type under the bad policy's rate key: its script step errors
+        await get_aredis().set(bad.rate_scopes[0][0], "not a hash")
+        try:
+            return await asyncio.gather(_admit(good), _admit(bad), _admit(good),
+                                        return_exceptions=True)
+        finally:
+            await _cleanup(good)
+            await _cleanup(bad)
+
+    first, failed, second = asyncio.run(run())
+    assert isinstance(first, admission.Ticket) and isinstance(second, admission.Ticket)
+    assert isinstance(failed, ResponseError)
+    assert "WRONGTYPE" in str(failed)
 
 
 @pytest.mark.parametrize("concurrent", [1, 5])
