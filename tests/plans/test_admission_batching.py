@@ -92,3 +92,55 @@ def test_admission_recovers_when_redis_lost_its_scripts(concurrent):
 
     tickets = asyncio.run(run())
     assert len(tickets) == concurrent and all(t is not None for t in tickets)
+
+
+def test_request_buckets_leave_the_window_after_61_seconds_and_are_trimmed():
+    """A request window older than a minute is trimmed (a path short tests never reach)."""
+
+    async def run() -> tuple:
+        r = get_aredis()
+        policy = _policy(rpm=3)
+        key = policy.rate_scopes[0][0]
+        now_s = int((await r.time())[0])
+        # two admissions 62 s ago (out of the window), one 30 s ago (in it)
+        await r.hset(key, mapping={"n": 3, "lo": now_s - 62, str(now_s - 62): 2,
+                                   str(now_s - 30): 1})
+        try:
+            first = await _admit(policy)
+            second = await _admit(policy)
+            third = await _admit(policy)
+            fields = await r.hgetall(key)
+            return first, second, third, fields, now_s
+        finally:
+            await _cleanup(policy)
+
+    first, second, third, fields, now_s = asyncio.run(run())
+    # the old bucket no longer counts: two more fit beside the one from 30 s ago
+    assert first is not None and second is not None and third is None
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    # and the old bucket is gone from Redis, the oldest counted second is the one 30 s ago
+    assert str(now_s - 62) not in fields
+    assert int(fields["n"]) == 3 and int(fields["lo"]) == now_s - 30
+
+
+def test_a_refusal_for_requests_says_when_the_oldest_counted_second_leaves():
+    async def run() -> Exception:
+        r = get_aredis()
+        policy = _policy(rpm=1)
+        key = policy.rate_scopes[0][0]
+        now_s = int((await r.time())[0])
+        await r.hset(key, mapping={"n": 1, "lo": now_s - 40, str(now_s - 40): 1})
+        try:
+            await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
+                                   tier="default", zone="global", prompt_tokens=10,
+                                   max_output=10)
+        except admission.QuotaExceeded as exc:
+            return exc
+        finally:
+            await _cleanup(policy)
+        raise AssertionError("admitted past the limit")
+
+    refused = asyncio.run(run())
+    assert refused.code == "rate_limit_exceeded"
+    # the bucket of 40 s ago counts until 61 s after its start: 20-21 s from now
+    assert 20 <= int(refused.headers["retry-after"]) <= 22, refused.headers
