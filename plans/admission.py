@@ -93,7 +93,8 @@ end
 
 -- A rate key's request count: buckets of one second; a bucket counts while any of it lies in
 -- the last 60 s (61 buckets), so the count never misses an admission. Returns the count and
--- the oldest counted second, dropping buckets that left the window when ``write``.
+-- the oldest counted second; with ``write``, buckets that left the window are dropped and
+-- ``n`` and ``lo`` follow (whether or not this request is admitted).
 local function window(key, n, lo, write)
   if lo >= sec - 60 then return n, lo end
   local h = redis.call('HGETALL', key)
@@ -108,8 +109,12 @@ local function window(key, n, lo, write)
       end
     end
   end
-  if write and #drop > 0 then redis.call('HDEL', key, unpack(drop)) end
-  return math.max(n - gone, 0), first or sec
+  n, first = math.max(n - gone, 0), first or sec
+  if write and #h > 0 then
+    if #drop > 0 then redis.call('HDEL', key, unpack(drop)) end
+    redis.call('HSET', key, 'n', int(n), 'lo', int(first))
+  end
+  return n, first
 end
 
 local function bucket_level(h_t, h_ts, cap)

@@ -144,3 +144,25 @@ def test_a_refusal_for_requests_says_when_the_oldest_counted_second_leaves():
     assert refused.code == "rate_limit_exceeded"
     # the bucket of 40 s ago counts until 61 s after its start: 20-21 s from now
     assert 20 <= int(refused.headers["retry-after"]) <= 22, refused.headers
+
+
+def test_a_refused_admission_still_trims_the_window_consistently():
+    async def run() -> tuple:
+        r = get_aredis()
+        policy = _policy(rpm=1)
+        key = policy.rate_scopes[0][0]
+        now_s = int((await r.time())[0])
+        # one admission 62 s ago (leaving the window) and one 30 s ago (in it)
+        await r.hset(key, mapping={"n": 2, "lo": now_s - 62, str(now_s - 62): 1,
+                                   str(now_s - 30): 1})
+        try:
+            refused = await _admit(policy)
+            return refused, await r.hgetall(key), now_s
+        finally:
+            await _cleanup(policy)
+
+    refused, fields, now_s = asyncio.run(run())
+    assert refused is None  # the one from 30 s ago fills the limit
+    # the stored count is the true one, so the key frees up when that bucket leaves
+    assert int(fields["n"]) == 1 and int(fields["lo"]) == now_s - 30
+    assert str(now_s - 62) not in fields
