@@ -24,8 +24,8 @@ def get_redis() -> redis.Redis:
 _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class _HiredisPackingConnection(aioredis.Connection):
-    """redis-py's asyncio connection, packing commands with hiredis' C packer.
+class _HiredisPacking:
+    """Mixin for redis-py's asyncio connections: pack commands with hiredis' C packer.
 
     redis-py's sync client packs with hiredis when it is installed; its asyncio client packs
     in Python, which was the largest single cost of an admission decision (about 25 argument
@@ -43,16 +43,36 @@ class _HiredisPackingConnection(aioredis.Connection):
         return super().pack_command(*args)
 
 
+class _TcpConnection(_HiredisPacking, aioredis.Connection):
+    pass
+
+
+class _SslConnection(_HiredisPacking, aioredis.SSLConnection):
+    pass
+
+
+class _UnixConnection(_HiredisPacking, aioredis.UnixDomainSocketConnection):
+    pass
+
+
+# redis://, rediss:// and unix:// URLs each pick their own connection class
+_PACKING = {aioredis.Connection: _TcpConnection, aioredis.SSLConnection: _SslConnection,
+            aioredis.UnixDomainSocketConnection: _UnixConnection}
+
+
+def async_client(url: str) -> aioredis.Redis:
+    """Return a new asyncio client for ``url`` whose connections pack with hiredis."""
+    client = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2,
+                                     socket_connect_timeout=2, health_check_interval=30)
+    pool = client.connection_pool  # no connection is open yet: choose their class now
+    pool.connection_class = _PACKING.get(pool.connection_class, pool.connection_class)
+    return client
+
+
 def get_aredis() -> aioredis.Redis:
     """Return the asyncio Redis client of the running event loop (one per loop)."""
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)
     if client is None:
-        client = aioredis.Redis.from_url(
-            settings.REDIS_URL, decode_responses=True, socket_timeout=2,
-            socket_connect_timeout=2, health_check_interval=30,
-            **({"connection_class": _HiredisPackingConnection}
-               if settings.REDIS_URL.startswith("redis://") else {}),
-        )
-        _async_clients[loop] = client
+        client = _async_clients[loop] = async_client(settings.REDIS_URL)
     return client

@@ -166,3 +166,21 @@ def test_a_refused_admission_still_trims_the_window_consistently():
     # the stored count is the true one, so the key frees up when that bucket leaves
     assert int(fields["n"]) == 1 and int(fields["lo"]) == now_s - 30
     assert str(now_s - 62) not in fields
+
+
+@pytest.mark.parametrize(("url", "kind"), [
+    ("redis://127.0.0.1:6379/0", "Connection"),
+    ("rediss://127.0.0.1:6380/0", "SSLConnection"),
+    ("unix:///run/redis/redis.sock?db=0", "UnixDomainSocketConnection")])
+def test_every_kind_of_redis_url_gets_connections_that_pack_with_hiredis(url, kind):
+    import hiredis
+    import redis.asyncio as aioredis
+
+    from billing_platform.redis_conn import async_client
+
+    pool = async_client(url).connection_pool
+    connection = pool.connection_class(**pool.connection_kwargs)  # not connected
+    # the scheme's own connection kind (TLS, socket file) with hiredis' packer
+    assert isinstance(connection, getattr(aioredis, kind))
+    assert connection.pack_command("EVALSHA", "abc", 1, "k", 2.5) == [
+        hiredis.pack_command(("EVALSHA", "abc", 1, "k", 2.5))]
