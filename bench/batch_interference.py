@@ -44,6 +44,53 @@ def log(msg: str) -> None:
     print(f"[batch-bench] {msg}", file=sys.stderr, flush=True)
 
 
+class CpuMeter:
+    """CPU seconds used by each part of the set-up, and by the whole machine, per phase.
+
+    Shows whether the machine's two cores were saturated while TTFT was measured (then any
+    extra work, batch included, lengthens TTFT however the engines schedule it).
+    """
+
+    def __init__(self, parts: dict[str, list[int]], *, own: str) -> None:
+        import psutil
+
+        self.parts = {name: [psutil.Process(pid) for pid in pids] for name, pids in parts.items()}
+        self.own = own  # the part that is this process: its children are the other parts
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def _read(self) -> dict[str, float]:
+        import psutil
+
+        out = {}
+        for name, procs in self.parts.items():
+            used = 0.0
+            for proc in procs:
+                with contextlib.suppress(psutil.Error):
+                    kids = [] if name == self.own else proc.children(recursive=True)
+                    for p in [proc, *kids]:
+                        t = p.cpu_times()
+                        used += t.user + t.system
+            out[name] = used
+        t = psutil.cpu_times()
+        out["machine_busy"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        out["wall"] = time.monotonic()
+        return out
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        before = self._read()
+        yield
+        after = self._read()
+        total = self.totals.setdefault(name, {})
+        for k in after:
+            total[k] = total.get(k, 0.0) + after[k] - before[k]
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Return per phase: cores used by each part and by the machine (of os.cpu_count())."""
+        return {phase: {k: round(v / t["wall"], 2) for k, v in t.items() if k != "wall"}
+                for phase, t in self.totals.items()}
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -173,16 +220,21 @@ def main() -> None:
         with_batch: list[float] = []
         ran = 0
         block = max(1, args.requests // args.rounds)
+        cpu = CpuMeter({"gateway": [gateway.pid], "batch_worker": [worker.pid],
+                        "engines": [sim.process.pid for sim in sims],
+                        "bench_client": [os.getpid()]}, own="bench_client")
         for _ in range(args.rounds):
             os.killpg(worker.pid, signal.SIGSTOP)
             time.sleep(0.5)
-            without += asyncio.run(ttfts(url, secret, requests=block,
-                                         concurrency=args.concurrency))
+            with cpu.phase("without"):
+                without += asyncio.run(ttfts(url, secret, requests=block,
+                                             concurrency=args.concurrency))
             os.killpg(worker.pid, signal.SIGCONT)
             time.sleep(0.5)
             before = client.batches.retrieve(batch_id).request_counts.completed
-            with_batch += asyncio.run(ttfts(url, secret, requests=block,
-                                            concurrency=args.concurrency))
+            with cpu.phase("with"):
+                with_batch += asyncio.run(ttfts(url, secret, requests=block,
+                                                concurrency=args.concurrency))
             ran += client.batches.retrieve(batch_id).request_counts.completed - before
         after = client.batches.retrieve(batch_id)
         log(f"without batch: p50 {pct(without, 0.5):.2f} ms, p99 {pct(without, 0.99):.2f} ms")
@@ -217,6 +269,9 @@ def main() -> None:
         "batch_max_running_fraction": settings.BATCH_MAX_RUNNING_FRACTION,
         "worker_nice": 10, "engine_max_running": args.max_running,
         "decode_tokens_per_s": args.decode_tokens_per_s,
+        # cores each part used while TTFT was measured, and the whole machine's (of
+        # os.cpu_count()); a machine near its core count is CPU-bound in that phase
+        "cores_used": cpu.report(), "cpu_count": os.cpu_count(),
     }), flush=True)
 
 
