@@ -818,27 +818,90 @@ def spend_limit_error(rule: BudgetRule, headers: dict[str, str]) -> QuotaExceede
 
 # --- the runtime the gateway calls ----------------------------------------------------------
 
+Limits = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
 POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
-_policies: dict[tuple[int, str], tuple[float, QuotaPolicy]] = {}
+# How long past its TTL a policy may still be served while its reload runs; older than that,
+# a request waits for the reload (a key idle for a while gets no stale limits).
+POLICY_STALE_S = 30.0
+
+
+class _Reloading:
+    """Values read from PostgreSQL, fresh for ``POLICY_TTL_S``, reloaded off the request path.
+
+    Past its TTL a value is still served while ONE task per key reloads it, so no request
+    waits for the reload (~15 ms of queries) and concurrent requests do not each start one;
+    a change (limits, budgets, suspension) takes effect within the TTL plus one reload. Past
+    ``POLICY_STALE_S`` more, or when nothing is cached, the request waits for the reload.
+    A reload that fails leaves the old value in place and is tried again by the next request.
+    """
+
+    def __init__(self, load: Any) -> None:
+        self.load = load
+        self.items: dict[Any, tuple[float, Any]] = {}
+        self.loading: dict[Any, Any] = {}
+
+    async def get(self, key: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        now = time.monotonic()
+        hit = self.items.get(key)
+        if hit is not None and now - hit[0] < POLICY_TTL_S:
+            return hit[1]
+        loop = asyncio.get_running_loop()
+        task = self.loading.get(key)
+        if task is None or task.get_loop() is not loop:
+            task = self.loading[key] = loop.create_task(self._reload(key, kwargs))
+            task.add_done_callback(self._done)
+        if hit is not None and now - hit[0] < POLICY_TTL_S + POLICY_STALE_S:
+            return hit[1]
+        return await asyncio.shield(task)
+
+    async def _reload(self, key: Any, kwargs: dict[str, Any]) -> Any:
+        import asyncio
+
+        from asgiref.sync import sync_to_async
+
+        started = time.monotonic()
+        try:
+            value = await sync_to_async(self.load, thread_sensitive=False)(**kwargs)
+        finally:
+            if self.loading.get(key) is asyncio.current_task():
+                del self.loading[key]
+        if len(self.items) > 50_000:  # keys x models seen by this process
+            self.items.clear()
+        self.items[key] = (started, value)
+        return value
+
+    @staticmethod
+    def _done(task: Any) -> None:
+        import logging
+
+        if not task.cancelled() and task.exception() is not None:
+            logging.getLogger(__name__).warning("quota policy reload failed: %r",
+                                                task.exception())
+
+
+def _load_policy(**kwargs: Any) -> QuotaPolicy:
+    from plans.quotas import quota_policy_load
+
+    return quota_policy_load(**kwargs)
+
+
+def _load_limits(**kwargs: Any) -> Limits:
+    from plans.quotas import limits_of
+
+    rpm, tpm, _regions = limits_of(**kwargs)
+    return rpm, tpm
+
+
+_policies = _Reloading(_load_policy)
+_limits = _Reloading(_load_limits)
 
 
 async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> QuotaPolicy:
-    """Return the (key, model) policy, re-read from PostgreSQL at most every POLICY_TTL_S."""
-
-    from asgiref.sync import sync_to_async
-
-    from plans.quotas import quota_policy_load
-
-    hit = _policies.get((key_id, model))
-    now = time.monotonic()
-    if hit is not None and now - hit[0] < POLICY_TTL_S:
-        return hit[1]
-    policy = await sync_to_async(quota_policy_load, thread_sensitive=False)(
-        organization_id=org_id, project_id=project_id, key_id=key_id, model=model)
-    if len(_policies) > 50_000:  # keys x models seen by this process; stale ones reload anyway
-        _policies.clear()
-    _policies[(key_id, model)] = (now, policy)
-    return policy
+    """Return the (key, model) policy, re-read from PostgreSQL about every POLICY_TTL_S."""
+    return await _policies.get((key_id, model), organization_id=org_id,
+                               project_id=project_id, key_id=key_id, model=model)
 
 
 class _Batcher:
@@ -990,28 +1053,13 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
 
 # --- read-only state for answers that were not admitted ------------------------------------
 
-Limits = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
-_limits: dict[int, tuple[float, Limits]] = {}
 _peek_script: Any = None
 
 
 async def alimits(*, org_id: int, project_id: int, key_id: int) -> Limits:
     """Return the key's (rpm, tpm) limits per scope, from a cached policy or PostgreSQL."""
-
-    from asgiref.sync import sync_to_async
-
-    from plans.quotas import limits_of
-
-    now = time.monotonic()
-    hit = _limits.get(key_id)
-    if hit is not None and now - hit[0] < POLICY_TTL_S:
-        return hit[1]
-    rpm, tpm, _regions = await sync_to_async(limits_of, thread_sensitive=False)(
-        organization_id=org_id, project_id=project_id, key_id=key_id)
-    if len(_limits) > 50_000:
-        _limits.clear()
-    _limits[key_id] = (now, (rpm, tpm))
-    return rpm, tpm
+    return await _limits.get(key_id, organization_id=org_id, project_id=project_id,
+                             key_id=key_id)
 
 
 async def apeek_headers(*, org_id: int, project_id: int, key_id: int) -> dict[str, str]:

@@ -184,3 +184,59 @@ def test_every_kind_of_redis_url_gets_connections_that_pack_with_hiredis(url, ki
     assert isinstance(connection, getattr(aioredis, kind))
     assert connection.pack_command("EVALSHA", "abc", 1, "k", 2.5) == [
         hiredis.pack_command(("EVALSHA", "abc", 1, "k", 2.5))]
+
+
+def test_a_stale_policy_is_served_while_one_reload_runs():
+    loads: list[str] = []
+
+    def load(**kwargs):
+        loads.append(kwargs["tag"])
+        return f"policy {len(loads)}"
+
+    cache = admission._Reloading(load)
+
+    async def run() -> tuple:
+        first = await cache.get("k", tag="a")  # nothing cached: waits for the load
+        cache.items["k"] = (cache.items["k"][0] - admission.POLICY_TTL_S - 1, first)  # stale
+        # ten concurrent requests on the stale entry: all answered at once, one reload
+        stale = await asyncio.gather(*(cache.get("k", tag="b") for _ in range(10)))
+        while cache.loading:
+            await asyncio.sleep(0.01)
+        fresh = await cache.get("k", tag="c")
+        # far past its TTL an entry is not served: the request waits for the reload
+        cache.items["k"] = (cache.items["k"][0] - admission.POLICY_TTL_S
+                            - admission.POLICY_STALE_S - 1, fresh)
+        waited = await cache.get("k", tag="d")
+        return first, stale, fresh, waited
+
+    first, stale, fresh, waited = asyncio.run(run())
+    assert first == "policy 1"
+    assert stale == ["policy 1"] * 10
+    assert fresh == "policy 2" and loads[:2] == ["a", "b"]
+    assert waited == "policy 3" and loads == ["a", "b", "d"]
+
+
+def test_a_failed_reload_keeps_serving_the_old_policy_and_is_tried_again():
+    answers = iter(["old", RuntimeError("database down"), "new"])
+
+    def load(**kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    cache = admission._Reloading(load)
+
+    async def run() -> list:
+        seen = [await cache.get("k")]
+        cache.items["k"] = (cache.items["k"][0] - admission.POLICY_TTL_S - 1, "old")
+        seen.append(await cache.get("k"))  # stale served; its reload fails
+        while cache.loading:
+            await asyncio.sleep(0.01)
+        seen.append(await cache.get("k"))  # still the old one; a new reload starts
+        while cache.loading:
+            await asyncio.sleep(0.01)
+        seen.append(await cache.get("k"))
+        return seen
+
+    assert asyncio.run(run()) == ["old", "old", "old", "new"]
