@@ -87,7 +87,8 @@ class CpuMeter:
 
     def report(self) -> dict[str, dict[str, float]]:
         """Return per phase: cores used by each part and by the machine (of os.cpu_count())."""
-        return {phase: {k: round(v / t["wall"], 2) for k, v in t.items() if k != "wall"}
+        return {phase: {**{k: round(v / t["wall"], 2) for k, v in t.items() if k != "wall"},
+                        "seconds": round(t["wall"], 1)}
                 for phase, t in self.totals.items()}
 
 
@@ -173,7 +174,9 @@ def main() -> None:
             for _ in range(2)]
     secret = setup_platform(sims)
     files_dir = tempfile.mkdtemp(prefix="tollgate-batch-bench-")
-    env = {**os.environ, "TOLLGATE_FILES_DIR": files_dir, "TOLLGATE_BATCH_SWEEP_S": "5",
+    # DEBUG off, as in production: Django's debug cursor records every query it runs
+    env = {**os.environ, "DEBUG": "0", "TOLLGATE_FILES_DIR": files_dir,
+           "TOLLGATE_BATCH_SWEEP_S": "5",
            "TOLLGATE_USAGE_STREAM": f"tg:usage:bench:{uuid.uuid4().hex[:8]}",
            "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_FLEET_REFRESH_S": "1"}
     port = free_port()
