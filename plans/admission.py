@@ -118,7 +118,7 @@ local function window(key, n, lo, write)
 end
 
 local function bucket_level(h_t, h_ts, cap)
-  if not h_t then return cap end
+  if not (h_t and h_ts) then return cap end
   return math.min(cap, tonumber(h_t) + (now - tonumber(h_ts)) * cap / 60000)
 end
 """
@@ -264,6 +264,7 @@ local function admit(ki, ai)
   end
 
   -- 2. all passed: take everything
+  local renewed = false
   for _, r in ipairs(rate) do
     local f = {}
     if r[2] then
@@ -271,7 +272,7 @@ local function admit(ki, ai)
     end
     if r[5] then f[#f + 1] = 't'; f[#f + 1] = r[5] - est; f[#f + 1] = 'ts'; f[#f + 1] = now end
     redis.call('HSET', r[1], unpack(f))
-    if r[6] then redis.call('PEXPIRE', r[1], RATE_TTL) end
+    if r[6] then redis.call('PEXPIRE', r[1], RATE_TTL); renewed = true end
   end
   local held = {rid}
   for _, b in ipairs(bud) do
@@ -292,21 +293,24 @@ local function admit(ki, ai)
   if #held > 1 then
     member = table.concat(held, ' ')
     redis.call('ZADD', res, now + ttl, member)
-    redis.call('PEXPIRE', res, LONG)
+    -- its TTL only collects what crashed requests leave behind: renewed with the rate keys'
+    if renewed or n_rate == 0 then redis.call('PEXPIRE', res, LONG) end
   end
   if prov then
     redis.call('HSET', prov[1], 't', prov[2], 'ts', now); redis.call('PEXPIRE', prov[1], RATE_TTL)
   end
-  return {1, '', 0, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok, member}
+  return {1, '', 0, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok, member,
+          now}
 end
 
 -- KEYS: res, budget keys, window key?, token bucket keys (rate keys, provisioned)
--- ARGV: reservation member ('' when none), n_bud, has_win, n_buckets;
+-- ARGV: reservation member ('' when none), n_bud, has_win, n_buckets, admitted at (ms);
 --   per budget: actual; window: actual, ms; per bucket: capacity, refund
 local function settle(ki, ai)
   local res, member = KEYS[ki], ARGV[ai]
   local n_bud, has_win, n_tok = tonumber(ARGV[ai + 1]), ARGV[ai + 2] == '1', tonumber(ARGV[ai + 3])
-  ki, ai = ki + 1, ai + 4
+  local admitted = tonumber(ARGV[ai + 4])
+  ki, ai = ki + 1, ai + 5
   local held, released = {}, 0
   if member ~= '' and redis.call('ZREM', res, member) == 1 then
     released = 1
@@ -344,7 +348,11 @@ local function settle(ki, ai)
   for i = 1, n_tok do
     local key = KEYS[ki]; ki = ki + 1
     local cap, refund = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
-    if refund ~= 0 then
+    if refund > 0 and now - admitted < RATE_TTL - 20000 then
+      -- The bucket's key outlives its admission by RATE_TTL: it exists. Adding to the stored
+      -- level equals adding to the refilled one, as levels are capped when read.
+      redis.call('HINCRBYFLOAT', key, 't', refund)
+    elseif refund ~= 0 then
       local h = redis.call('HMGET', key, 't', 'ts')
       if h[1] then
         redis.call('HSET', key, 't', math.min(cap, bucket_level(h[1], h[2], cap) + refund),
@@ -659,6 +667,7 @@ class Ticket:
     headers: dict[str, str]
     budget_keys: list[str]
     reservation: str = ""  # the member of the org's reservation ZSET ("" when none)
+    admitted_ms: int = 0  # Redis's clock at admission
     settled: bool = False
     window_key: str = ""
 
@@ -672,7 +681,7 @@ class Ticket:
         refunds = [(k, tpm) for k, _rpm, tpm in p.rate_scopes if tpm >= 0]
         provisioned = self.capacity == "provisioned" and p.provisioned is not None
         argv: list[Any] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
-                           len(refunds) + int(provisioned)]
+                           len(refunds) + int(provisioned), self.admitted_ms]
         for rule in p.budgets:
             argv.append(cost if rule.coefficients is None else credits_micro(
                 rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
@@ -1036,6 +1045,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
     return Ticket(policy=policy, request_id=request_id, tier=tier, zone=zone,
                   estimate_tokens=prompt_tokens + max_output, estimate_norm=norm,
                   capacity=capacity, headers=headers, budget_keys=bkeys, reservation=raw[10],
+                  admitted_ms=int(raw[11]),
                   window_key=(window_key(policy.org_id, policy.window.subscription_id)
                               if policy.window is not None else ""))
 

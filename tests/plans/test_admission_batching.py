@@ -6,6 +6,7 @@ cache."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 from decimal import Decimal
@@ -240,3 +241,24 @@ def test_a_failed_reload_keeps_serving_the_old_policy_and_is_tried_again():
         return seen
 
     assert asyncio.run(run()) == ["old", "old", "old", "new"]
+
+
+def test_settlement_gives_back_unused_tokens_to_every_bucket():
+    async def run() -> tuple:
+        r = get_aredis()
+        policy = _policy(rpm=100)
+        policy = dataclasses.replace(policy, tpm=((f"o{policy.org_id}", 10_000),))
+        key = policy.rate_scopes[-1][0]
+        try:
+            ticket = await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
+                                            tier="default", zone="global", prompt_tokens=1000,
+                                            max_output=3000)
+            taken = float(await r.hget(key, "t"))
+            await admission.asettle(ticket, prompt_tokens=900, completion_tokens=100)
+            return taken, float(await r.hget(key, "t"))
+        finally:
+            await _cleanup(policy)
+
+    taken, settled = asyncio.run(run())
+    assert 6000 <= taken < 6010  # 4,000 estimated tokens taken (plus a few ms of refill)
+    assert settled - taken == 3000  # 1,000 used: 3,000 given back
