@@ -143,3 +143,23 @@ def test_client_disconnect_aborts_the_engine_request(sim_factory):
     assert 4 <= aborted.completion_tokens < 500
     assert second.status == "ok"
     assert _stats(sim).get("aborted", 0) >= 1
+
+
+def test_a_finished_stream_hands_its_engine_connection_to_the_next_request(sim_factory):
+    # given streamed requests that each run to [DONE]
+    sim = sim_factory(served_model_name="m1", **FAST_RATES)
+    client = EngineClient(Router([_info(sim)]))
+
+    async def scenario():
+        results = []
+        for i in range(3):
+            call, _ = await _chat(client, "m1", f"stream {i}", stream=True)
+            results.append(call.result)
+            # then the connection went back to the pool instead of being closed
+            assert client._http.idle_connections() == 1
+        await client.aclose()
+        return results
+
+    results = asyncio.run(scenario())
+    assert [r.status for r in results] == ["ok"] * 3
+    assert all(r.completion_tokens == 8 for r in results)
