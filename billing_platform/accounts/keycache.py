@@ -8,6 +8,7 @@ never write its stale copy over the invalidation: revocation takes effect at onc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -26,6 +27,7 @@ return nil
 """
 LAST_USED_HASH = "tg:apikey:last_used"
 MARKER = "reload:"
+TOUCH_BATCH_S = 1.0  # the gateway writes last-used times at most this often, all in one HSET
 
 
 def cache_key(prefix: str) -> str:
@@ -90,10 +92,47 @@ def touch(key_id: int, at: float) -> None:
         get_redis().hset(LAST_USED_HASH, str(key_id), repr(at))
 
 
-async def atouch(key_id: int, at: float) -> None:
-    """Async ``touch`` for the gateway."""
+class _Touches:
+    """Last-used times the gateway noted, written to Redis in one HSET every TOUCH_BATCH_S.
+
+    One HSET per request was a Redis command and a task on the event loop for every request,
+    for a time the periodic flush writes to PostgreSQL only every 30 s anyway. What a process
+    noted in its last second is lost if it dies: last-used is advisory.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[int, float] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # where the next write is scheduled
+        self.writing: set[asyncio.Task] = set()  # strong references until the writes finish
+
+    def add(self, key_id: int, at: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.pending[key_id] = max(at, self.pending.get(key_id, at))
+        if self.loop is not loop:  # nothing scheduled here (first use, or that loop ended)
+            self.loop = loop
+            loop.call_later(TOUCH_BATCH_S, self._write)
+
+    def _write(self) -> None:
+        self.loop = None
+        pending, self.pending = self.pending, {}
+        if pending:
+            task = asyncio.get_running_loop().create_task(_hset_many(pending))
+            self.writing.add(task)
+            task.add_done_callback(self.writing.discard)
+
+
+async def _hset_many(pending: dict[int, float]) -> None:
     with contextlib.suppress(redis.RedisError):
-        await get_aredis().hset(LAST_USED_HASH, str(key_id), repr(at))
+        await get_aredis().hset(LAST_USED_HASH,
+                                mapping={str(k): repr(v) for k, v in pending.items()})
+
+
+_touches = _Touches()
+
+
+def atouch_soon(key_id: int, at: float) -> None:
+    """Note that a key was used; written within TOUCH_BATCH_S, off the request's path."""
+    _touches.add(key_id, at)
 
 
 def drain_last_used() -> dict[int, float]:

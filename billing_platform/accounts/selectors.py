@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import re
@@ -20,7 +19,6 @@ from billing_platform.accounts.models import ApiKey, Membership, Organization, U
 from billing_platform.accounts.services import sha256_hex
 from billing_platform.errors import Forbidden, NotFound
 
-_background: set[asyncio.Task] = set()  # strong references until the tasks finish
 KEY_RE = re.compile(r"^tg-(?P<prefix>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{20,100})$")
 
 
@@ -137,10 +135,8 @@ async def aapi_key_authenticate(raw: str) -> KeyPrincipal | None:
                     await keycache.afill(prefix, asdict(principal), marker=marker)
     verified = _verify(principal, secret)
     if verified is not None:
-        # Advisory and off the request's critical path: do not wait for it.
-        task = asyncio.create_task(keycache.atouch(verified.key_id, time.time()))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        # Advisory and off the request's path: batched with other uses, written within a second.
+        keycache.atouch_soon(verified.key_id, time.time())
     return verified
 
 

@@ -131,3 +131,30 @@ def test_last_used_is_flushed_by_the_periodic_task_in_a_real_worker(celery_worke
     used = ApiKey.objects.get(pk=key.pk).last_used_at
     assert abs(used.timestamp() - before) < 30
     assert "accounts.flush_api_key_last_used" in worker.log_path.read_text()
+
+
+def test_gateway_notes_last_used_in_one_write_within_a_second():
+    # given a key used twice by the gateway's async path
+    import asyncio
+
+    from billing_platform.accounts.selectors import aapi_key_authenticate
+    from billing_platform.redis_conn import get_redis
+
+    key, secret = make_key()
+
+    async def scenario():
+        first = await aapi_key_authenticate(secret)
+        second = await aapi_key_authenticate(secret)
+        # then nothing was written yet: the request did not pay for it
+        noted_at_once = get_redis().hget(keycache.LAST_USED_HASH, str(key.pk))
+        await asyncio.sleep(keycache.TOUCH_BATCH_S + 0.5)
+        return first, second, noted_at_once
+
+    first, second, noted_at_once = asyncio.run(scenario())
+    assert first is not None and second is not None
+    assert noted_at_once is None
+    # and within a second the later use is in Redis, for the periodic flush to PostgreSQL
+    noted = float(get_redis().hget(keycache.LAST_USED_HASH, str(key.pk)))
+    assert time.time() - 5 < noted <= time.time()
+    assert services.api_key_last_used_flush() == 1
+    assert ApiKey.objects.get(pk=key.pk).last_used_at.timestamp() == pytest.approx(noted)
