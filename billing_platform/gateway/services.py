@@ -167,18 +167,28 @@ class _Accounting:
 
     async def failed_before_output(self, engine: EngineInfo | None) -> None:
         """Record an unbilled engine_error event and release the admission."""
-        try:
-            await _append(self._event(engine, None))
-        finally:
-            await _settle(self.ticket, None)
+        await self._record(engine, None)
 
     async def close(self, call: EngineCall) -> None:
         """End the engine call, record its usage durably, settle the admission."""
         try:
             await call.__aexit__(None, None, None)
-            await _append(self._event(call.tried[-1], call.result))
-        finally:
+        except BaseException:
             await _settle(self.ticket, call.result)
+            raise
+        await self._record(call.tried[-1], call.result)
+
+    async def _record(self, engine: EngineInfo | None, result: CallResult | None) -> None:
+        """Append the usage event and settle the admission, side by side.
+
+        Two independent round trips (the usage stream, the quota counters), so neither waits
+        for the other; both always run, and an append that failed still raises afterwards.
+        """
+        outcomes = await asyncio.gather(_append(self._event(engine, result)),
+                                        _settle(self.ticket, result), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
 
 async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
@@ -338,13 +348,15 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_id: str,
                  accounting: _Accounting) -> AsyncIterator[bytes]:
     """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
-    metered = False
+    closing: asyncio.Future[None] | None = None
 
-    async def meter() -> None:
-        nonlocal metered
-        if not metered:
-            metered = True
-            await accounting.close(call)
+    def meter() -> asyncio.Future[None]:
+        # One task, awaited shielded: a disconnect while it runs (the engine connection is
+        # being drained, the event appended) cannot cut it short; the finally waits for it.
+        nonlocal closing
+        if closing is None:
+            closing = asyncio.ensure_future(accounting.close(call))
+        return closing
 
     error_frame = None
     t0 = time.monotonic()
@@ -368,11 +380,12 @@ async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_i
                                           f"{time.monotonic() - t0:.1f}s of streaming)",
                                           "type": "server_error", "param": None,
                                           "code": exc.code}})
-        await meter()
+        await asyncio.shield(meter())
         if error_frame is not None:
             yield error_frame
         yield _sse("[DONE]")
     finally:
-        # Client disconnect (generator closed or task cancelled): record what was delivered.
-        if not metered:
+        # Client disconnect (generator closed or task cancelled): record what was delivered,
+        # or finish recording it if the disconnect came while that ran.
+        if closing is None or not closing.done():
             await asyncio.shield(meter())
