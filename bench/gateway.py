@@ -4,7 +4,9 @@ run on one machine.
 
 Prints one JSON line: added TTFT and total latency (p50, p99) of the gateway over direct at
 concurrency 1 (streaming and non-streaming), and throughput at saturation as ratios
-gateway/direct and gateway/LiteLLM.
+gateway/direct and gateway/LiteLLM. Latency requests alternate between direct and the gateway
+so that drift in the machine's load falls on both alike; LiteLLM is stopped (SIGSTOP) while
+anything else is measured. The gateway runs with DEBUG off, as in production.
 
     .venv/bin/python bench/gateway.py [--requests 300] [--concurrency 64]
 
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,15 +71,28 @@ async def one(http: httpx.AsyncClient, url: str, headers: dict, *, stream: bool,
     return (ttft or 0) * 1000, (time.perf_counter() - t0) * 1000
 
 
-async def latency(url: str, headers: dict, *, stream: bool, requests: int) -> dict:
-    async with httpx.AsyncClient(timeout=60) as http:
-        for n in range(10):  # warm-up: connections, caches
-            await one(http, url, headers, stream=stream, n=-n)
-        samples = [await one(http, url, headers, stream=stream, n=n) for n in range(requests)]
-    ttft = [s[0] for s in samples]
-    total = [s[1] for s in samples]
-    return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
+async def latency(targets: dict[str, tuple[str, dict]], *, stream: bool,
+                  requests: int) -> dict[str, dict]:
+    """Sequential requests to every target in turn (direct, gateway, ...), so that drift in
+    the machine's load falls on all of them alike; return TTFT and total p50/p99 per target."""
+    clients = {name: httpx.AsyncClient(timeout=60) for name in targets}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+    try:
+        for n in range(-10, requests):  # 10 of warm-up first: connections, caches
+            for name, (url, headers) in targets.items():
+                sample = await one(clients[name], url, headers, stream=stream, n=n)
+                if n >= 0:
+                    samples[name].append(sample)
+    finally:
+        for http in clients.values():
+            await http.aclose()
+    out = {}
+    for name, got in samples.items():
+        ttft = [s[0] for s in got]
+        total = [s[1] for s in got]
+        out[name] = {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+                     "total_p50": pct(total, 0.5), "total_p99": pct(total, 0.99)}
+    return out
 
 
 async def throughput(url: str, headers: dict, *, concurrency: int, seconds: float) -> float:
@@ -131,6 +148,19 @@ def setup_platform(sim_url: str) -> str:
     return secret
 
 
+@contextlib.contextmanager
+def paused(proc: subprocess.Popen | None):
+    """Stop ``proc``'s process group for the block (it uses no CPU meanwhile)."""
+    if proc is None:
+        yield
+        return
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
 def start_litellm(sim_url: str) -> tuple[subprocess.Popen | None, str | None]:
     if not LITELLM.exists():
         log(f"LiteLLM not installed at {LITELLM}; skipping that column")
@@ -178,7 +208,8 @@ def main() -> None:
     gateway = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
          "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
-         "--log-level", "warning"], cwd=ROOT, start_new_session=True)
+         "--log-level", "warning"], cwd=ROOT, start_new_session=True,
+        env={**os.environ, "DEBUG": "0"})  # as in production
     gw = f"http://127.0.0.1:{port}"
     litellm, litellm_url = start_litellm(sim.base_url)
     try:
@@ -195,16 +226,25 @@ def main() -> None:
             targets["litellm"] = (f"{litellm_url}/v1/chat/completions",
                                   {"Authorization": f"Bearer {LITELLM_KEY}"})
         lat = {}
-        for name, (url, headers) in targets.items():
-            for stream in (True, False):
-                key = f"{name}_{'stream' if stream else 'json'}"
-                lat[key] = asyncio.run(latency(url, headers, stream=stream,
-                                               requests=args.requests))
-                log(f"{key}: {lat[key]}")
+        # direct and gateway interleaved (LiteLLM stopped: its work after a request must not
+        # spill into theirs), then LiteLLM on its own
+        groups = [({k: targets[k] for k in ("direct", "gateway")}, litellm)]
+        if "litellm" in targets:
+            groups.append(({"litellm": targets["litellm"]}, None))
+        for group, stopped in groups:
+            with paused(stopped):
+                for stream in (True, False):
+                    kind = "stream" if stream else "json"
+                    for name, stats in asyncio.run(latency(group, stream=stream,
+                                                           requests=args.requests)).items():
+                        lat[f"{name}_{kind}"] = stats
+                        log(f"{name}_{kind}: {stats}")
         rps = {}
         for name, (url, headers) in targets.items():
-            rps[name] = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
-                                               seconds=args.seconds))
+            # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
+            with paused(litellm if name != "litellm" else None):
+                rps[name] = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
+                                                   seconds=args.seconds))
             log(f"{name}: {rps[name]:.0f} req/s at concurrency {args.concurrency}")
     finally:
         for proc in (gateway, litellm):
