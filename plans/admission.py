@@ -189,7 +189,7 @@ local function admit(ki, ai)
   local has_prov, has_win = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
   ki, ai = ki + 1, ai + 7
 
-  -- 1. check everything; write nothing yet
+  -- 1. check everything; write nothing yet (but drop request buckets that left the window)
   local reject, retry, req_retry = false, 0, nil
   local lim_req, rem_req, reset_req = -1, -1, 0
   local lim_tok, rem_tok, reset_tok = -1, -1, 0
