@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 from functools import cached_property
@@ -426,15 +426,19 @@ def reservations_key(org_id: int) -> str:
     return f"{_tag(org_id)}:res"
 
 
+def _budget_key(org_id: int, budget_id: int, month: str) -> str:
+    return f"{_tag(org_id)}:bud:{budget_id}:{month}"
+
+
 def budget_key(org_id: int, budget_id: int, at: datetime) -> str:
-    return f"{_tag(org_id)}:bud:{budget_id}:{at:%Y%m}"
+    return _budget_key(org_id, budget_id, f"{at:%Y%m}")
 
 
 def rule_key(org_id: int, rule: BudgetRule, month: str) -> str:
     """Return the Redis key of a budget rule; ``month`` is ``YYYYMM`` (UTC)."""
     if rule.scope == "plan":
         return f"{_tag(org_id)}:plan:{rule.budget_id}:{rule.period_tag}"
-    return f"{_tag(org_id)}:bud:{rule.budget_id}:{month}"
+    return _budget_key(org_id, rule.budget_id, month)
 
 
 def rate_key(org_id: int, scope: str) -> str:
@@ -618,17 +622,6 @@ class _Counts:
 
 
 # --- the decision ---------------------------------------------------------------------------
-
-@dataclass
-class Decision:
-    admitted: bool
-    reason: str
-    retry_after_ms: int
-    capacity: str
-    headers: dict[str, str]
-    keys: list[str] = field(default_factory=list)
-    argv: list[Any] = field(default_factory=list)
-
 
 def _duration(ms: int) -> str:
     """OpenAI's reset format: ``1s``, ``6m0s``, ``20ms``."""

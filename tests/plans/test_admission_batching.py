@@ -95,22 +95,29 @@ def test_admission_recovers_when_redis_lost_its_scripts(concurrent):
     assert len(tickets) == concurrent and all(t is not None for t in tickets)
 
 
+async def _seed_window(policy: admission.QuotaPolicy, counts_by_age: dict[int, int]) -> int:
+    """Write admissions ``age`` seconds ago into the policy's first request window; return
+    Redis's current second."""
+    r = get_aredis()
+    now_s = int((await r.time())[0])
+    await r.hset(policy.rate_scopes[0][0], mapping={
+        "n": sum(counts_by_age.values()), "lo": now_s - max(counts_by_age),
+        **{str(now_s - age): count for age, count in counts_by_age.items()}})
+    return now_s
+
+
 def test_request_buckets_leave_the_window_after_61_seconds_and_are_trimmed():
     """A request window older than a minute is trimmed (a path short tests never reach)."""
 
     async def run() -> tuple:
-        r = get_aredis()
         policy = _policy(rpm=3)
-        key = policy.rate_scopes[0][0]
-        now_s = int((await r.time())[0])
         # two admissions 62 s ago (out of the window), one 30 s ago (in it)
-        await r.hset(key, mapping={"n": 3, "lo": now_s - 62, str(now_s - 62): 2,
-                                   str(now_s - 30): 1})
+        now_s = await _seed_window(policy, {62: 2, 30: 1})
         try:
             first = await _admit(policy)
             second = await _admit(policy)
             third = await _admit(policy)
-            fields = await r.hgetall(key)
+            fields = await get_aredis().hgetall(policy.rate_scopes[0][0])
             return first, second, third, fields, now_s
         finally:
             await _cleanup(policy)
@@ -126,11 +133,8 @@ def test_request_buckets_leave_the_window_after_61_seconds_and_are_trimmed():
 
 def test_a_refusal_for_requests_says_when_the_oldest_counted_second_leaves():
     async def run() -> Exception:
-        r = get_aredis()
         policy = _policy(rpm=1)
-        key = policy.rate_scopes[0][0]
-        now_s = int((await r.time())[0])
-        await r.hset(key, mapping={"n": 1, "lo": now_s - 40, str(now_s - 40): 1})
+        await _seed_window(policy, {40: 1})
         try:
             await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
                                    tier="default", zone="global", prompt_tokens=10,
@@ -149,16 +153,12 @@ def test_a_refusal_for_requests_says_when_the_oldest_counted_second_leaves():
 
 def test_a_refused_admission_still_trims_the_window_consistently():
     async def run() -> tuple:
-        r = get_aredis()
         policy = _policy(rpm=1)
-        key = policy.rate_scopes[0][0]
-        now_s = int((await r.time())[0])
         # one admission 62 s ago (leaving the window) and one 30 s ago (in it)
-        await r.hset(key, mapping={"n": 2, "lo": now_s - 62, str(now_s - 62): 1,
-                                   str(now_s - 30): 1})
+        now_s = await _seed_window(policy, {62: 1, 30: 1})
         try:
             refused = await _admit(policy)
-            return refused, await r.hgetall(key), now_s
+            return refused, await get_aredis().hgetall(policy.rate_scopes[0][0]), now_s
         finally:
             await _cleanup(policy)
 
