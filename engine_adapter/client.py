@@ -147,9 +147,9 @@ class EngineCall:
                                          f"{response.status_code}: {detail}")
                 continue
             if response.status_code >= 400:
-                detail = await _error_text(response)
+                detail, param = await _error_detail(response)
                 router.release(engine.engine_id)
-                raise EngineBadRequest(detail)
+                raise EngineBadRequest(detail, param=param)
             self._engine, self._response = engine, response
             self.result = CallResult(engine=engine, attempts=attempt)
             if not self.streaming:
@@ -302,12 +302,27 @@ class EngineCall:
 
 
 async def _error_text(response: http11.Response) -> str:
+    return (await _error_detail(response))[0]
+
+
+async def _error_detail(response: http11.Response) -> tuple[str, str | None]:
+    """The message and ``param`` of an engine's error answer, in either shape engines use:
+    OpenAI's (and vLLM's) ``{"error": {"message", "param"}}`` or SGLang's top-level
+    ``{"object": "error", "message", "param"}``."""
     try:
         raw = await response.aread()
     finally:
         await response.aclose()
     try:
-        err = json.loads(raw).get("error", {})
-        return err.get("message", "") if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        return raw[:500].decode(errors="replace")
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]:
+            param = err.get("param")
+            return err["message"], param if isinstance(param, str) else None
+        if isinstance(err, str) and err:
+            return err, None
+    text = raw[:500].decode(errors="replace").strip()
+    return text or f"the engine answered {response.status_code} with no detail", None

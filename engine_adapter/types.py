@@ -104,3 +104,6 @@ class EngineBadRequest(EngineError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        # OpenAI names this case; SGLang and vLLM only say it in the message.
+        if "context length" in message.lower():
+            self.code = "context_length_exceeded"

@@ -107,38 +107,74 @@ def test_flex_is_refused_while_saturated_priority_is_downgraded_and_flex_runs_wh
 
 
 def _finish_order(gateway, secret: str, *, model: str, path: str, load, running, queued,
-                  long_tokens: int, extra: dict) -> list[str]:
-    """Run a long default request, queue a short default one behind it, then a short priority
-    one; return the order they finished in. ``long_tokens`` must keep the engine busy for
-    several seconds: both short requests have to be queued before the long one ends, and on a
-    loaded 2-core machine that takes a while."""
+                  long_tokens: int, extra: dict, hold: bool) -> list[str]:
+    """Keep the engine busy with a long default request, queue a short default one behind it,
+    then a short priority one; return the order they finished in.
+
+    With ``hold`` the long request is streamed and dropped (the engine aborts it) only once
+    both short ones are queued, so a slow, loaded machine cannot let it finish first; that
+    needs ``long_tokens`` beyond what the engine makes in a minute. Without it (a small real
+    model's context caps the length) it runs to its end. A request that fails or finishes
+    before both short ones are queued ends the wait at once, saying what happened."""
     finished: list[str] = []
     errors: list[str] = []
+    release = threading.Event()
+    headers = {"Authorization": f"Bearer {secret}"}
 
-    def send(name: str, tier: str, max_tokens: int) -> threading.Thread:
-        def run() -> None:
-            body = {"model": model, "max_tokens": max_tokens, "service_tier": tier, **extra}
-            if path.endswith("chat/completions"):
-                body["messages"] = [{"role": "user", "content": f"{name} {uuid.uuid4().hex}"}]
-            else:
-                body["prompt"] = f"{name} {uuid.uuid4().hex}"
-            r = httpx.post(f"{gateway.url}{path}", json=body, timeout=300,
-                           headers={"Authorization": f"Bearer {secret}"})
+    def body(name: str, tier: str, max_tokens: int, **more) -> dict:
+        body = {"model": model, "max_tokens": max_tokens, "service_tier": tier, **extra, **more}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": f"{name} {uuid.uuid4().hex}"}]
+        else:
+            body["prompt"] = f"{name} {uuid.uuid4().hex}"
+        return body
+
+    def run_long() -> None:
+        if not hold:
+            run_short("long", "default", long_tokens)
+            return
+        with httpx.stream("POST", f"{gateway.url}{path}", timeout=300, headers=headers,
+                          json=body("long", "default", long_tokens, stream=True)) as r:
             if r.status_code != 200:
-                errors.append(f"{name}: {r.status_code} {r.text}")
-            else:
-                finished.append(name)
+                errors.append(f"long: {r.status_code} {r.read().decode()}")
+                return
+            for _ in r.iter_lines():
+                if release.is_set():
+                    return  # closing the connection aborts the request at the engine
+        finished.append("long")
 
-        thread = threading.Thread(target=run, daemon=True)
+    def run_short(name: str, tier: str, max_tokens: int = 4) -> None:
+        r = httpx.post(f"{gateway.url}{path}", json=body(name, tier, max_tokens), timeout=300,
+                       headers=headers)
+        if r.status_code != 200:
+            errors.append(f"{name}: {r.status_code} {r.text}")
+        else:
+            finished.append(name)
+
+    def send(target, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
         return thread
 
-    threads = [send("long", "default", long_tokens)]
-    wait_until(lambda: running(load()) == 1, timeout=60, what="the long request to run")
-    threads.append(send("low", "default", 4))
-    wait_until(lambda: queued(load()) == 1, timeout=60, what="the default request to queue")
-    threads.append(send("high", "priority", 4))
-    wait_until(lambda: queued(load()) == 2, timeout=60, what="the priority request to queue")
+    def until(condition, what: str) -> None:
+        def check():
+            state = load()
+            if errors or finished:
+                pytest.fail(f"while waiting for {what}: errors {errors}, finished {finished}, "
+                            f"engine load {state}")
+            return condition(state)
+
+        wait_until(check, timeout=60, what=what)
+
+    threads = [send(run_long)]
+    try:
+        until(lambda s: running(s) == 1, "the long request to run")
+        threads.append(send(run_short, "low", "default"))
+        until(lambda s: queued(s) == 1, "the default request to queue")
+        threads.append(send(run_short, "high", "priority"))
+        until(lambda s: queued(s) == 2, "the priority request to queue")
+    finally:
+        release.set()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
@@ -150,8 +186,8 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_simulated_engine(busy
     order = _finish_order(
         busy_gateway, _secret(), model="busy", path="/v1/chat/completions",
         load=lambda: httpx.get(f"{sim.base_url}/sim/stats").json(),
-        running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=400,
-        extra={})
+        running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=30_000,
+        extra={}, hold=True)
     assert order.index("high") < order.index("low"), order
 
 
@@ -193,7 +229,7 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_real_sglang_engine(
         order = _finish_order(
             gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
             running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
-            long_tokens=1500, extra={"ignore_eos": True})
+            long_tokens=1950, extra={"ignore_eos": True}, hold=False)
         # then the priority request (SGLang priority 10 vs 0) is served first
         assert order.index("high") < order.index("low"), order
     finally:

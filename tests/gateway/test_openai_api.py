@@ -109,6 +109,13 @@ def test_errors_have_openai_shape_and_status(live_gateway):
         client.chat.completions.create(model="small", service_tier="turbo",
                                        messages=[{"role": "user", "content": "x"}])
     assert tier.value.param == "service_tier"
+    # an error the engine finds (SGLang's own error shape) reaches the client with its message
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.chat.completions.create(model="small", max_tokens=100_000, stream=stream,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert too_long.value.code == "context_length_exceeded"
+        assert "maximum context length of 32768 tokens" in too_long.value.message
     huge = httpx.post(f"{live_gateway.url}/v1/chat/completions",
                       headers={"Authorization": f"Bearer {secret}"},
                       content=b"{" + b" " * (9 * 1024 * 1024) + b"}")

@@ -114,7 +114,7 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
     except NoCapacity:
         return LineOutcome(line.id, retry=True)
     except EngineBadRequest as exc:
-        error = {"message": str(exc), "type": "invalid_request_error", "param": None,
+        error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
                  "code": exc.code}
         return LineOutcome(line.id, state=LineState.FAILED, status_code=400,
                            response={"error": error}, error={"code": exc.code,
