@@ -140,6 +140,7 @@ class EmbeddedRedis:
 
     data_dir: Path
     port: int
+    extra_args: tuple[str, ...] = ()  # more redis-server options ("--requirepass", "s3cret")
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -162,7 +163,7 @@ class EmbeddedRedis:
                 str(binary), "--bind", "127.0.0.1", "--port", str(self.port),
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "",
                 "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
-                "--pidfile", str(self.data_dir / "redis.pid"),
+                "--pidfile", str(self.data_dir / "redis.pid"), *self.extra_args,
             ],
             stdin=subprocess.DEVNULL, start_new_session=True,
         )

@@ -917,8 +917,8 @@ class _Batcher:
     client targets one Redis server (a Redis Cluster client would batch per hash slot).
     """
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection  # a redis_conn.PipelinedConnection
         self.pending: list[tuple[str, list[str], list[Any], Any]] = []
         self.scheduled = False
         self.flushing: set[Any] = set()
@@ -955,14 +955,14 @@ class _Batcher:
             all_keys += keys
             all_argv += [kind, len(keys), len(argv), *argv]
         if self.sha is None:
-            self.sha = await self.client.script_load(STEP_LUA)
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", STEP_LUA)
         try:
-            return await self.client.execute_command(
+            return await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
         except NoScriptError:
             # Redis lost its script cache (a restart): nothing ran; load it and run again.
-            self.sha = await self.client.script_load(STEP_LUA)
-            return await self.client.execute_command(
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", STEP_LUA)
+            return await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
 
     async def _flush(self, batch: list[Any] | None) -> None:
@@ -995,11 +995,11 @@ _last: tuple[Any, _Batcher] | None = None
 
 
 def _batcher() -> _Batcher:
-    """Return the batcher of the running loop's Redis client (one per client)."""
+    """Return the batcher of the running loop's pipelined Redis connection (one per loop)."""
     import asyncio
     import weakref
 
-    from billing_platform.redis_conn import get_aredis
+    from billing_platform.redis_conn import get_pipelined
 
     global _batchers, _last
     loop = asyncio.get_running_loop()
@@ -1007,10 +1007,10 @@ def _batcher() -> _Batcher:
         return _last[1]
     if _batchers is None:
         _batchers = weakref.WeakKeyDictionary()
-    client = get_aredis()
-    batcher = _batchers.get(client)
+    connection = get_pipelined()
+    batcher = _batchers.get(connection)
     if batcher is None:
-        batcher = _batchers[client] = _Batcher(client)
+        batcher = _batchers[connection] = _Batcher(connection)
     _last = (loop, batcher)
     return batcher
 

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from django.conf import settings
 
-from billing_platform.redis_conn import get_aredis, get_redis
+from billing_platform.redis_conn import get_aredis, get_pipelined, get_redis
 
 _CAS = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -48,8 +48,8 @@ def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
 
 
 async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Async ``read`` for the gateway."""
-    return _decode(await get_aredis().get(cache_key(prefix)))
+    """Async ``read`` for the gateway (every request: on the pipelined connection)."""
+    return _decode(await get_pipelined().execute("GET", cache_key(prefix)))
 
 
 def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
