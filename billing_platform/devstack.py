@@ -22,7 +22,7 @@ from billing_platform import env as E
 from billing_platform.celery import QUEUES
 from billing_platform.embedded import EmbeddedPostgres, EmbeddedRedis
 
-COLOURS = {"web": "36", "worker": "33", "beat": "35", "fleet": "32", "tollgate": "1"}
+COLOURS = {"web": "36", "worker": "33", "batch": "34", "beat": "35", "fleet": "32", "tollgate": "1"}
 
 
 def say(msg: str, name: str = "tollgate") -> None:
@@ -116,8 +116,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
                     "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "off",
                     "--no-access-log" if args.quiet else "--access-log"],
-            "worker": [*celery, "worker", "-Q", ",".join(QUEUES), "--concurrency", "2",
-                       "-l", "INFO", "-n", "tollgate@%h"],
+            "worker": [*celery, "worker", "-Q", ",".join(q for q in QUEUES if q != "batch"),
+                       "--concurrency", "2", "-l", "INFO", "-n", "tollgate@%h"],
+            # batch lines run only on CPU nothing else wants (see background_priority)
+            "batch": [*celery, "worker", "-Q", "batch", "--concurrency", "1", "-l", "INFO",
+                      "-n", "tollgate-batch@%h"],
             "beat": [*celery, "beat", "-l", "INFO", "-s",
                      str(E.STATE_DIR / "celerybeat-schedule")],
             # the usage stream consumer: a long-lived loop, see metering/ingest.py for why
@@ -125,7 +128,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         }
         for name, argv in commands.items():
             proc = subprocess.Popen(argv, env=env, cwd=E.BASE_DIR, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=background_priority if name == "batch" else None)
             children.append((name, proc))
             threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
         url = f"http://{E.WEB_HOST}:{E.WEB_PORT}"
@@ -158,6 +162,20 @@ def cmd_up(args: argparse.Namespace) -> int:
             subprocess.run([sys.executable, "manage.py", "fleet", "down"], env=env,
                            cwd=E.BASE_DIR, check=False)
         services.stop()
+
+
+def background_priority() -> None:
+    """Make this process (a batch worker; run before exec) use only CPU nothing else wants.
+
+    On Linux, SCHED_IDLE: any ordinary process that wakes takes the CPU from it at once,
+    where a niced process may hold it for the rest of its time slice. On one host with the
+    gateway and engines, batch lines then fill idle cycles without delaying interactive
+    requests (bench/batch_interference.py). Elsewhere, the lowest nice level.
+    """
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(19)
 
 
 def cmd_test(args: argparse.Namespace) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import httpx
 
 from engine_adapter.choices import EngineStatus
 from engine_adapter.models import EngineInstance, Pool
@@ -67,29 +70,38 @@ def _candidates(model: str, regions: set[str] | None) -> tuple[list[EngineInfo],
     return engines, snap
 
 
+@functools.cache
+def _scraper() -> httpx.Client:
+    """The process's client for live scrapes: kept-alive connections, one TLS context.
+
+    A client per scrape built a TLS context (loading the CA bundle) and opened new connections
+    every time: over half of a batch worker's CPU, taken from the machine it shares with
+    interactive traffic. httpx clients are safe to share between threads.
+    """
+    return httpx.Client()
+
+
 def _probe(engines: list[EngineInfo], timeout: float) -> dict[str, EngineLoad | None]:
     """Scrape each engine's /metrics now (and /get_server_info once, for its running cap)."""
-    import httpx
-
     from engine_adapter.metrics import parse_engine_load
 
+    http = _scraper()
     loads: dict[str, EngineLoad | None] = {}
-    with httpx.Client(timeout=timeout) as http:
-        for engine in engines:
-            try:
-                raw = parse_engine_load(http.get(f"{engine.url}/metrics").text)
-                cap = int(raw.get("max_running") or 0) or _max_running_cache.get(engine.url)
-                if not cap:
-                    info = http.get(f"{engine.url}/get_server_info").json()
-                    cap = int(info.get("max_running_requests") or 0) or None
-                    if cap:
-                        _max_running_cache[engine.url] = cap
-            except (httpx.HTTPError, ValueError):
-                loads[engine.engine_id] = None  # unreachable: no spare capacity there
-                continue
-            loads[engine.engine_id] = EngineLoad(
-                running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
-                token_usage=float(raw.get("token_usage", 0.0)), max_running=cap)
+    for engine in engines:
+        try:
+            raw = parse_engine_load(http.get(f"{engine.url}/metrics", timeout=timeout).text)
+            cap = int(raw.get("max_running") or 0) or _max_running_cache.get(engine.url)
+            if not cap:
+                info = http.get(f"{engine.url}/get_server_info", timeout=timeout).json()
+                cap = int(info.get("max_running_requests") or 0) or None
+                if cap:
+                    _max_running_cache[engine.url] = cap
+        except (httpx.HTTPError, ValueError):
+            loads[engine.engine_id] = None  # unreachable: no spare capacity there
+            continue
+        loads[engine.engine_id] = EngineLoad(
+            running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
+            token_usage=float(raw.get("token_usage", 0.0)), max_running=cap)
     return loads
 
 
