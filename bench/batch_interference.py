@@ -53,11 +53,13 @@ class CpuMeter:
     extra work, batch included, lengthens TTFT however the engines schedule it).
     """
 
-    def __init__(self, parts: dict[str, list[int]], *, own: str) -> None:
+    def __init__(self, parts: dict[str, list[int]], *, own: str,
+                 servers: dict[str, str]) -> None:
         import psutil
 
         self.parts = {name: [psutil.Process(pid) for pid in pids] for name, pids in parts.items()}
         self.own = own  # the part that is this process: its children are the other parts
+        self.servers = servers  # part -> process name (PostgreSQL's and Redis's processes)
         self.totals: dict[str, dict[str, float]] = {}
 
     def _read(self) -> dict[str, float]:
@@ -73,6 +75,15 @@ class CpuMeter:
                         t = p.cpu_times()
                         used += t.user + t.system
             out[name] = used
+        for name in self.servers:
+            out[name] = 0.0
+        wanted = {process: name for name, process in self.servers.items()}
+        for proc in psutil.process_iter(["name"]):
+            name = wanted.get(proc.info["name"])
+            if name is not None:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    out[name] += t.user + t.system
         t = psutil.cpu_times()
         out["machine_busy"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
         out["wall"] = time.monotonic()
@@ -230,7 +241,8 @@ def main() -> None:
         block = max(1, args.requests // args.rounds)
         cpu = CpuMeter({"gateway": [gateway.pid], "batch_worker": [worker.pid],
                         "engines": [sim.process.pid for sim in sims],
-                        "bench_client": [os.getpid()]}, own="bench_client")
+                        "bench_client": [os.getpid()]}, own="bench_client",
+                       servers={"postgres": "postgres", "redis": "redis-server"})
         for _ in range(args.rounds):
             os.killpg(worker.pid, signal.SIGSTOP)
             time.sleep(0.5)

@@ -53,19 +53,27 @@ def _spool_writer() -> spool.SpoolWriter:
 
 
 def _append_without_redis(data: UsageEventData, payload: bytes) -> AppendPath:
+    return _many_without_redis([data], [payload])
+
+
+def _many_without_redis(data: Sequence[UsageEventData], payloads: Sequence[bytes]
+                        ) -> AppendPath:
+    first = data[0].request_id + (f" and {len(data) - 1} more" if len(data) > 1 else "")
     try:
-        recording.record_events([data], origin="fallback")
-    except Exception as exc:  # whatever stops PostgreSQL taking it, the spool keeps it
+        recording.record_events(data, origin="fallback")
+    except Exception as exc:  # whatever stops PostgreSQL taking them, the spool keeps them
         recording.close_broken_connection(exc)
         log.warning("usage event %s: PostgreSQL did not take it either (%s); spooling it",
-                    data.request_id, exc)
+                    first, exc)
     else:
         return "postgres"
     try:
-        _spool_writer().append(payload)
+        writer = _spool_writer()
+        for payload in payloads:
+            writer.append(payload)
     except OSError as exc:
-        log.error("usage event %s could not be recorded anywhere: %s", data.request_id, exc)
-        raise UsageNotRecorded(f"Usage event {data.request_id} could not be recorded.") from exc
+        log.error("usage event %s could not be recorded anywhere: %s", first, exc)
+        raise UsageNotRecorded(f"Usage event {first} could not be recorded.") from exc
     return "spool"
 
 
@@ -86,6 +94,30 @@ def usage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
         else:
             return "redis"
     return _append_without_redis(data, payload)
+
+
+def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
+                        ) -> AppendPath | None:
+    """Append several usage events durably in one round trip; return where they went.
+
+    Same paths and guarantees as ``usage_event_append`` (for callers that produce events in
+    groups: a batch runner's finished lines). When the stream fails part way, all of them go
+    to PostgreSQL: those already on the stream become duplicates there, recorded once.
+    Return None for an empty list.
+    """
+    if not event_list:
+        return None
+    data = [events.normalize(event) for event in event_list]
+    payloads = [events.encode(d) for d in data]
+    if stream.breaker.allow():
+        try:
+            stream.append_many(payloads)
+        except redis.RedisError as exc:
+            stream.breaker.trip()
+            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+        else:
+            return "redis"
+    return _many_without_redis(data, payloads)
 
 
 async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:

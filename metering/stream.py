@@ -116,11 +116,20 @@ async def aappend(payload: bytes) -> bytes:
 
 
 def append_many(payloads: Sequence[bytes]) -> list[bytes]:
-    """XADD several encoded events in one round trip (spool replay, benchmarks)."""
+    """XADD several encoded events in one round trip; return their entry ids.
+
+    With ``wait_aof`` (as ``append``) the answer waits until Redis has fsync'd them all.
+    """
     pipe = client().pipeline(transaction=False)
     key = conf.stream_key()
     for payload in payloads:
         pipe.xadd(key, {FIELD: payload})
+    if conf.wait_aof():
+        pipe.execute_command("WAITAOF", 1, 0, 1000)
+        *ids, (local, _replicas) = pipe.execute()
+        if not local:
+            raise redis.RedisError("Redis did not fsync the usage events within 1 s")
+        return ids
     return pipe.execute()
 
 

@@ -119,3 +119,24 @@ def test_redis_stopped_during_appends_loses_nothing(transactional_db, tenant, ow
     assert set(recorded) == set(paths)
     assert set(paths.values()) == {"redis", "postgres"}
     assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == len(paths)
+
+
+def test_events_appended_together_are_recorded_once_also_when_redis_is_down(
+        transactional_db, tenant, own_redis):
+    # given 200 events appended in groups of 50 (a batch runner's finished lines) while Redis
+    # runs, one group appended twice (a runner retried after a crash), and then Redis stops
+    groups = [[tenant.event(f"req-g{g}-{i}") for i in range(50)] for g in range(4)]
+    paths = [services.usage_events_append(group) for group in groups[:2]]
+    paths.append(services.usage_events_append(groups[1]))
+    own_redis.stop()
+    # when the last two groups are appended
+    paths += [services.usage_events_append(group) for group in groups[2:]]
+
+    # then the first groups went on the stream in one call each, the rest to PostgreSQL
+    assert paths == ["redis", "redis", "redis", "postgres", "postgres"]
+    assert services.usage_events_append([]) is None
+    own_redis.start()
+    _drain()
+    # and every event is one row, counted once in the rollups
+    assert UsageEvent.objects.count() == 200
+    assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 200

@@ -376,22 +376,31 @@ def batch_lines_stop(*, batch_id: int, error: dict[str, Any] | None) -> int:
 
 def batch_usage_flush(*, batch_id: int | None = None) -> int:
     """Append the usage events of completed, not yet metered lines; return how many."""
-    from metering.services import usage_event_append
+    from metering.services import usage_events_append
 
     lines = BatchLine.objects.filter(state=LineState.COMPLETED, metered=False)
     if batch_id is not None:
         lines = lines.filter(batch_id=batch_id)
-    done = []
+    done, usage_list, total = [], [], 0
+
+    def flush() -> None:
+        # idempotent: each line's request id is its event's key, so a retry after a crash
+        # between the append and the update records nothing twice
+        usage_events_append(usage_list)
+        BatchLine.objects.filter(id__in=done).update(metered=True)
+        done.clear()
+        usage_list.clear()
+
     for line_id, usage in lines.values_list("id", "usage").iterator(chunk_size=2000):
         if usage:
-            usage_event_append(usage)  # idempotent: the line's request id is the event's key
+            usage_list.append(usage)
         done.append(line_id)
-        if len(done) >= 2000:
-            BatchLine.objects.filter(id__in=done).update(metered=True)
-            done.clear()
+        total += 1
+        if len(done) >= 500:
+            flush()
     if done:
-        BatchLine.objects.filter(id__in=done).update(metered=True)
-    return len(done)
+        flush()
+    return total
 
 
 # -- cancel, expire, finalize ------------------------------------------------------------------
