@@ -6,7 +6,7 @@ goal: both at most 1.10) and how many batch lines ran while the "with" phase was
 The two phases alternate in short rounds (the batch worker paused with SIGSTOP for "without")
 so that drift in the machine's other load falls on both alike.
 
-    .venv/bin/python bench/batch_interference.py [--requests 1000] [--concurrency 4]
+    .venv/bin/python bench/batch_interference.py [--requests 4000] [--concurrency 4]
 
 Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
 ``./tollgate services``). The Celery batch worker runs at the CPU priority ``./tollgate up`` gives
@@ -171,10 +171,10 @@ def setup_platform(sims) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--lines", type=int, default=20_000)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
     p.add_argument("--max-running", type=int, default=16)
     args = p.parse_args()

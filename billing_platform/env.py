@@ -54,10 +54,12 @@ FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
-# Share of an engine's running slots batch work may fill; interactive traffic keeps the rest
-# (conservative: bench/batch_interference.py measures the interference it costs).
+# Batch lines start only while an engine's running requests (its interactive ones included)
+# stay below this share of its slots; interactive traffic keeps the rest. 1/8: on the 2-core
+# bench, where engines, gateway and batch worker share the CPU, 1/4 cost interactive TTFT
+# 10-20 % (bench/batch_interference.py); raise it where engines run on their own GPUs.
 BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION",
-                                              default=0.25)
+                                              default=0.125)
 # Beat period of the batch sweep (expiry, cancellation, restarting orphaned batches).
 BATCH_SWEEP_S: float = env.float("TOLLGATE_BATCH_SWEEP_S", default=15.0)
 

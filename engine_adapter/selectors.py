@@ -107,18 +107,21 @@ def _probe(engines: list[EngineInfo], timeout: float) -> dict[str, EngineLoad | 
 
 def spare_slots(*, model: str, regions: set[str] | None = None, fraction: float = 0.5,
                 live: bool = False, default_max_running: int = 64,
-                timeout: float = 1.0) -> int:
+                timeout: float = 1.0, engines: list[EngineInfo] | None = None) -> int:
     """Return how many more low-priority requests the model's engines can take right now.
 
     An engine has spare room only while nothing waits in its queue and fewer than
     ``fraction`` of its running slots are busy; the room is what is left below that line.
     ``live`` scrapes the engines now instead of using the health loop's last scrape, for
-    callers (batch workers) that act on the answer many times a second.
+    callers (batch workers) that act on the answer many times a second; such a caller may
+    pass the healthy ``engines`` from its own fleet view, saving a registry read per call.
     """
-    engines, snap = _candidates(model, regions)
-    loads: dict[str, EngineLoad | None] = (
-        _probe(engines, timeout) if live else {e.engine_id: snap.loads.get(e.engine_id)
-                                               for e in engines})
+    if live and engines is not None:
+        loads = _probe(engines, timeout)
+    else:
+        engines, snap = _candidates(model, regions)
+        loads = (_probe(engines, timeout) if live
+                 else {e.engine_id: snap.loads.get(e.engine_id) for e in engines})
     slots = 0
     for engine in engines:
         load = loads.get(engine.engine_id)

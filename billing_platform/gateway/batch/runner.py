@@ -32,7 +32,7 @@ from billing_platform.gateway.services import (
 )
 from engine_adapter.registry import Fleet
 from engine_adapter.selectors import spare_slots
-from engine_adapter.types import EngineBadRequest, EngineError, NoCapacity
+from engine_adapter.types import EngineBadRequest, EngineError, EngineInfo, NoCapacity
 from plans import admission as quota
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,10 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
             if await heartbeat(batch_id=batch_id) != BatchStatus.IN_PROGRESS:
                 await write()  # finished lines are kept, also when cancelled
                 return "stopped"
+        await fleet.arefresh_if_stale()
         slots = await probe(model=batch.model, regions=regions, live=True,
-                            fraction=settings.BATCH_MAX_RUNNING_FRACTION)
+                            fraction=settings.BATCH_MAX_RUNNING_FRACTION,
+                            engines=_healthy(fleet, batch.model, regions))
         if slots <= 0:
             await write()
             await asyncio.sleep(IDLE_WAIT_S)
@@ -219,7 +221,6 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
         if not lines:
             await write()
             return "drained"
-        await fleet.arefresh_if_stale()
         outcomes = await asyncio.gather(*(
             _run_line(line, fleet=fleet, batch=batch, principal=principal, regions=regions,
                       policy=policy)
@@ -238,6 +239,14 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
             await asyncio.sleep(IDLE_WAIT_S)  # rate-limited or engine trouble: back off
     await write()
     return "slice"
+
+
+def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineInfo]:
+    """The healthy engines of ``model`` in ``regions`` in this runner's fleet view."""
+    try:
+        return fleet.router.candidates(model, regions)
+    except EngineError:
+        return []
 
 
 def batch_run(*, batch_id: int, slice_s: float | None = None) -> str:
