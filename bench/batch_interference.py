@@ -177,6 +177,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
     p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--calibrate", action="store_true",
+                   help="keep the batch paused in both phases: the ratios then show the "
+                        "bench's own noise (an A/A run)")
     args = p.parse_args()
 
     import logging
@@ -249,7 +252,8 @@ def main() -> None:
             with cpu.phase("without"):
                 without += asyncio.run(ttfts(url, secret, requests=block,
                                              concurrency=args.concurrency))
-            os.killpg(worker.pid, signal.SIGCONT)
+            if not args.calibrate:
+                os.killpg(worker.pid, signal.SIGCONT)
             time.sleep(0.5)
             before = client.batches.retrieve(batch_id).request_counts.completed
             with cpu.phase("with"):
@@ -278,6 +282,7 @@ def main() -> None:
 
     print(json.dumps({
         "requests": args.requests, "concurrency": args.concurrency, "batch_lines": args.lines,
+        "calibration": args.calibrate,  # True: no batch ran in either phase (A/A)
         "ttft_p50_ratio": round(pct(with_batch, 0.5) / pct(without, 0.5), 3),
         "ttft_p99_ratio": round(pct(with_batch, 0.99) / pct(without, 0.99), 3),
         "ttft_ms": {"without": {"p50": round(pct(without, 0.5), 3),

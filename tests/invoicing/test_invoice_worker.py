@@ -3,6 +3,8 @@ task it enqueues pays the invoice through localstripe, exactly once even when re
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from billing_platform.invoicing import stripe_client
@@ -12,7 +14,6 @@ from billing_platform.invoicing.tasks import invoice_charge_task, period_close_t
 from plans import services as plan_services
 from tests.conftest import wait_until
 from tests.factories import make_billed_org, make_offering, make_price_book
-from tests.invoicing.conftest import OCT
 from tests.invoicing.test_invoice_payments import _set_default_card
 
 
@@ -20,9 +21,13 @@ from tests.invoicing.test_invoice_payments import _set_default_card
 def test_beat_close_enqueues_a_charge_that_the_worker_pays_once(stripe_settings,
                                                                  celery_worker_process):
     make_price_book(prices=[{"model": "m-big", "input": "3.00", "output": "15.00"}])
-    org = make_billed_org(name="Worker Co")
+    # an org and a reservation since the start of last month: exactly one period has ended
+    # (the task closes every ended period; fixed dates gave one more invoice each month)
+    last_month = (datetime.now(tz=UTC).replace(day=1) - timedelta(days=1)).replace(
+        day=1, hour=0, minute=0, second=0, microsecond=0)
+    org = make_billed_org(name="Worker Co", created_at=last_month)
     plan_services.reservation_create(organization=org, offering=make_offering(model="m-big"),
-                                     units=1, term="monthly", starts_at=OCT)
+                                     units=1, term="monthly", starts_at=last_month)
     customer_id = _set_default_card(org, "pm_card_visa")
     worker = celery_worker_process(queues="billing", env={
         "STRIPE_API_BASE": stripe_settings.STRIPE_API_BASE,
@@ -32,7 +37,7 @@ def test_beat_close_enqueues_a_charge_that_the_worker_pays_once(stripe_settings,
     period_close_task.delay()
     period_close_task.delay()
 
-    # then October is invoiced once and charged once by the worker
+    # then last month is invoiced once and charged once by the worker
     def charged():
         attempt = PaymentAttempt.objects.filter(invoice__organization=org).first()
         return attempt if attempt and attempt.status == PaymentStatus.SUCCEEDED else None
