@@ -140,7 +140,7 @@ class EngineCall:
                 last_error = exc
                 continue
             if response.status_code in RETRYABLE_STATUS:
-                detail = await _error_text(response)
+                detail, _param = await _error_detail(response)
                 router.release(engine.engine_id)
                 failed.append(engine.engine_id)
                 last_error = EngineError(f"engine {engine.engine_id} answered "
@@ -299,10 +299,6 @@ class EngineCall:
             engine=self._engine, busy_seconds=Decimal(str(round(now - self._t0, 6))),
             concurrency=Decimal(str(concurrency)),
         )
-
-
-async def _error_text(response: http11.Response) -> str:
-    return (await _error_detail(response))[0]
 
 
 async def _error_detail(response: http11.Response) -> tuple[str, str | None]:

@@ -52,12 +52,8 @@ def _spool_writer() -> spool.SpoolWriter:
     return writer
 
 
-def _append_without_redis(data: UsageEventData, payload: bytes) -> AppendPath:
-    return _many_without_redis([data], [payload])
-
-
-def _many_without_redis(data: Sequence[UsageEventData], payloads: Sequence[bytes]
-                        ) -> AppendPath:
+def _append_without_redis(data: Sequence[UsageEventData], payloads: Sequence[bytes]
+                          ) -> AppendPath:
     first = data[0].request_id + (f" and {len(data) - 1} more" if len(data) > 1 else "")
     try:
         recording.record_events(data, origin="fallback")
@@ -83,17 +79,7 @@ def usage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
     ``event`` is a ``UsageEventData`` or a dict of its fields (see ``metering.events``).
     Raise ``InvalidRequest`` for an invalid event, ``UsageNotRecorded`` when nothing took it.
     """
-    data = events.normalize(event)
-    payload = events.encode(data)
-    if stream.breaker.allow():
-        try:
-            stream.append(payload)
-        except redis.RedisError as exc:
-            stream.breaker.trip()
-            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
-        else:
-            return "redis"
-    return _append_without_redis(data, payload)
+    return usage_events_append([event])
 
 
 def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
@@ -117,7 +103,7 @@ def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
             log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
         else:
             return "redis"
-    return _many_without_redis(data, payloads)
+    return _append_without_redis(data, payloads)
 
 
 async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
@@ -132,7 +118,7 @@ async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> Appe
             log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
         else:
             return "redis"
-    return await sync_to_async(_append_without_redis)(data, payload)
+    return await sync_to_async(_append_without_redis)([data], [payload])
 
 
 def usage_events_record(event_list: Sequence[UsageEventData], *, origin: str) -> RecordResult:

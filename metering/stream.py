@@ -87,20 +87,6 @@ class Breaker:
 breaker = Breaker()
 
 
-def append(payload: bytes) -> bytes:
-    """XADD one encoded event; return its entry id. Raise ``redis.RedisError`` on failure."""
-    r = client()
-    if conf.wait_aof():
-        pipe = r.pipeline(transaction=False)
-        pipe.xadd(conf.stream_key(), {FIELD: payload})
-        pipe.execute_command("WAITAOF", 1, 0, 1000)
-        entry_id, (local, _replicas) = pipe.execute()
-        if not local:
-            raise redis.RedisError("Redis did not fsync the usage event within 1 s")
-        return entry_id
-    return r.xadd(conf.stream_key(), {FIELD: payload})
-
-
 async def aappend(payload: bytes) -> bytes:
     """XADD one encoded event from async code; return its entry id."""
     r = aclient()
@@ -118,7 +104,8 @@ async def aappend(payload: bytes) -> bytes:
 def append_many(payloads: Sequence[bytes]) -> list[bytes]:
     """XADD several encoded events in one round trip; return their entry ids.
 
-    With ``wait_aof`` (as ``append``) the answer waits until Redis has fsync'd them all.
+    With ``wait_aof`` the answer waits until Redis has fsync'd them all. Raise
+    ``redis.RedisError`` on failure (some of them may have been added).
     """
     pipe = client().pipeline(transaction=False)
     key = conf.stream_key()
