@@ -9,7 +9,9 @@ spare room it sends nothing and waits; interactive traffic always has the engine
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import logging
 import time
 from datetime import UTC, datetime
@@ -42,6 +44,8 @@ BATCH_PRIORITY = -20
 IDLE_WAIT_S = 0.2
 HEARTBEAT_S = 1.0  # how often a runner reads the batch's status (cancel) and says it is alive
 RECORD_EVERY = 64  # outcomes written per transaction, at most
+WRITE_AFTER_S = 1.0  # ...or once the oldest unwritten outcome is this old
+SEND_GRACE_S = 0.01  # probe no sooner than this after starting lines (they must reach engines)
 DEFAULT_MAX_OUTPUT = 4096
 # Admission answers that end the batch: the remaining lines go to the error file unbilled.
 STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded",
@@ -179,66 +183,141 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
         await sync_to_async(_close_db)()
 
 
+class _Pipeline:
+    """The lines one slice holds: claimed and waiting, in flight, and finished but unwritten.
+
+    Lines start one by one as the engines have room, not in lockstep chunks: a chunk started
+    all its lines at once and waited for the slowest before probing again, which put bursts
+    on the engines (and left room unused while the last line of a chunk ran).
+    """
+
+    def __init__(self, batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
+                 regions: set[str] | None, policy: quota.QuotaPolicy) -> None:
+        self.batch = batch
+        self.run = functools.partial(_run_line, fleet=fleet, batch=batch, principal=principal,
+                                     regions=regions, policy=policy)
+        self.claim_sync = sync_to_async(batch_services.batch_lines_claim)
+        self.record_sync = sync_to_async(batch_services.batch_lines_record)
+        self.token = ""
+        self.waiting: collections.deque[BatchLine] = collections.deque()  # claimed, not sent
+        self.drained = False  # a claim found nothing left to run
+        self.flying: dict[asyncio.Task[LineOutcome], str] = {}  # task -> its lease token
+        self.unwritten: dict[str, list[LineOutcome]] = {}  # lease token -> outcomes
+        self.unwritten_since = 0.0
+        self.stop: LineOutcome | None = None  # a hard limit refused a line
+        self.started_at = 0.0  # when lines were last started
+
+    @property
+    def unwritten_count(self) -> int:
+        return sum(map(len, self.unwritten.values()))
+
+    async def start(self, n: int) -> int:
+        """Send up to ``n`` lines (claiming BATCH_CHUNK more when none wait, at most once per
+        call); return how many started."""
+        if n > 0 and not self.waiting and not self.drained:
+            self.token, lines = await self.claim_sync(batch_id=self.batch.pk,
+                                                      limit=settings.BATCH_CHUNK)
+            self.waiting.extend(lines)
+            self.drained = not lines
+        started = 0
+        while started < n and self.waiting:
+            line = self.waiting.popleft()
+            self.flying[asyncio.create_task(self.run(line))] = self.token
+            started += 1
+        if started:
+            self.started_at = time.monotonic()
+        return started
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait until a line finishes or ``timeout``; keep the outcomes; True if any retry."""
+        if not self.flying:
+            await asyncio.sleep(timeout)
+            return False
+        finished, _ = await asyncio.wait(self.flying, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        # Lines just started may not have reached their engine yet, so a probe now would
+        # not count them and start too many: give them a moment.
+        await asyncio.sleep(self.started_at + SEND_GRACE_S - time.monotonic())
+        retry = False
+        for task in finished:
+            outcome = task.result()
+            if not self.unwritten:
+                self.unwritten_since = time.monotonic()
+            self.unwritten.setdefault(self.flying.pop(task), []).append(outcome)
+            retry |= outcome.retry
+            if outcome.stop and self.stop is None:
+                self.stop = outcome
+        return retry
+
+    async def write(self, *, force: bool = False) -> None:
+        """Record finished outcomes: RECORD_EVERY at a time, or once they are WRITE_AFTER_S
+        old (so the caller sees progress), or now (``force``)."""
+        if not self.unwritten or not (
+                force or self.unwritten_count >= RECORD_EVERY
+                or time.monotonic() - self.unwritten_since >= WRITE_AFTER_S):
+            return
+        for token, outcomes in self.unwritten.items():
+            await self.record_sync(batch_id=self.batch.pk, token=token, outcomes=outcomes)
+        self.unwritten.clear()
+
+    async def close(self) -> None:
+        """Let the lines in flight finish, hand back the unsent ones, write everything."""
+        while self.flying:
+            await self.wait(IDLE_WAIT_S)
+        if self.waiting:
+            self.unwritten.setdefault(self.token, []).extend(
+                LineOutcome(line.id, retry=True, started=False) for line in self.waiting)
+            self.waiting.clear()
+        await self.write(force=True)
+
+
 async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                  regions: set[str] | None, policy: quota.QuotaPolicy,
                  deadline: float) -> str:
-    """Probe, claim as many lines as there is room for, run them; repeat until the deadline.
+    """Keep the engines' spare room filled with lines until the deadline or the end.
 
-    Outcomes are written RECORD_EVERY lines at a time (and whenever the runner waits, stops
-    or retries), and the batch's status is read once per HEARTBEAT_S, not per chunk: the
-    database round trips per line were most of what a running batch cost the machine it
-    shares with interactive traffic. A runner that dies loses only unwritten outcomes: those
-    lines are still leased and run again once the lease ends, each recorded once.
+    The live probe (``spare_slots``) says how many more batch requests the engines can take
+    now; that many lines start, and the probe is asked again when a line finishes (or after
+    IDLE_WAIT_S when there was no room). Outcomes are written RECORD_EVERY lines at a time,
+    and the batch's status is read once per HEARTBEAT_S: the database round trips per line
+    were most of what a running batch cost the machine it shares with interactive traffic.
+    A runner that dies loses only unwritten outcomes: those lines are still leased and run
+    again once the lease ends, each recorded once.
     """
     batch_id = batch.pk
     heartbeat = sync_to_async(batch_services.batch_heartbeat)
     probe = sync_to_async(spare_slots)
-    claim = sync_to_async(batch_services.batch_lines_claim)
-    record = sync_to_async(batch_services.batch_lines_record)
-    unwritten: dict[str, list[LineOutcome]] = {}  # lease token -> outcomes
-
-    async def write() -> None:
-        for token, outcomes in unwritten.items():
-            await record(batch_id=batch_id, token=token, outcomes=outcomes)
-        unwritten.clear()
-
+    lines = _Pipeline(batch, fleet=fleet, principal=principal, regions=regions, policy=policy)
+    why = "slice"
     next_beat = 0.0
-    while time.monotonic() < deadline:
-        if time.monotonic() >= next_beat:
-            next_beat = time.monotonic() + HEARTBEAT_S
-            if await heartbeat(batch_id=batch_id) != BatchStatus.IN_PROGRESS:
-                await write()  # finished lines are kept, also when cancelled
-                return "stopped"
-        await fleet.arefresh_if_stale()
-        slots = await probe(model=batch.model, regions=regions, live=True,
-                            fraction=settings.BATCH_MAX_RUNNING_FRACTION,
-                            engines=_healthy(fleet, batch.model, regions))
-        if slots <= 0:
-            await write()
-            await asyncio.sleep(IDLE_WAIT_S)
-            continue
-        token, lines = await claim(batch_id=batch_id, limit=min(slots, settings.BATCH_CHUNK))
-        if not lines:
-            await write()
-            return "drained"
-        outcomes = await asyncio.gather(*(
-            _run_line(line, fleet=fleet, batch=batch, principal=principal, regions=regions,
-                      policy=policy)
-            for line in lines))
-        unwritten.setdefault(token, []).extend(outcomes)
-        stop = next((o for o in outcomes if o.stop), None)
-        if stop is not None:
-            await write()
-            await sync_to_async(batch_services.batch_lines_stop)(batch_id=batch_id,
-                                                                 error=stop.error)
-            return "drained"
-        retry = any(o.retry for o in outcomes)
-        if retry or sum(map(len, unwritten.values())) >= RECORD_EVERY:
-            await write()
-        if retry:
-            await asyncio.sleep(IDLE_WAIT_S)  # rate-limited or engine trouble: back off
-    await write()
-    return "slice"
+    hold_until = 0.0  # after a retry (rate limit, engine trouble): start nothing until then
+    try:
+        while time.monotonic() < deadline and lines.stop is None:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_S
+                if await heartbeat(batch_id=batch_id) != BatchStatus.IN_PROGRESS:
+                    why = "stopped"  # finished lines are kept, also when cancelled
+                    break
+            room = 0
+            if time.monotonic() >= hold_until:
+                await fleet.arefresh_if_stale()
+                room = await probe(model=batch.model, regions=regions, live=True,
+                                   fraction=settings.BATCH_MAX_RUNNING_FRACTION,
+                                   engines=_healthy(fleet, batch.model, regions))
+                await lines.start(room)
+            if lines.drained and not lines.waiting and not lines.flying:
+                why = "drained"
+                break
+            if await lines.wait(IDLE_WAIT_S):
+                hold_until = time.monotonic() + IDLE_WAIT_S  # back off
+            await lines.write()
+    finally:
+        await lines.close()
+    if lines.stop is not None:
+        await sync_to_async(batch_services.batch_lines_stop)(batch_id=batch_id,
+                                                             error=lines.stop.error)
+        return "drained"
+    return why
 
 
 def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineInfo]:

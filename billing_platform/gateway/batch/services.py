@@ -275,8 +275,11 @@ def batch_validate(*, batch_id: int) -> Batch | None:
 
 def batch_heartbeat(*, batch_id: int) -> str | None:
     """Record that a runner is alive; return the batch's status (None if it is gone)."""
-    Batch.objects.filter(pk=batch_id).update(heartbeat_at=timezone.now())
-    return Batch.objects.filter(pk=batch_id).values_list("status", flat=True).first()
+    with connection.cursor() as cur:
+        cur.execute("UPDATE gateway_batch SET heartbeat_at = %s WHERE id = %s RETURNING status",
+                    [timezone.now(), batch_id])
+        row = cur.fetchone()
+    return row[0] if row else None
 
 
 def batch_lines_claim(*, batch_id: int, limit: int) -> tuple[str, list[BatchLine]]:
@@ -303,7 +306,7 @@ def batch_lines_claim(*, batch_id: int, limit: int) -> tuple[str, list[BatchLine
 
 @dataclass
 class LineOutcome:
-    """What running one line produced; ``retry`` puts it back to pending."""
+    """What running one line produced; ``retry`` hands the line back to run again later."""
 
     line_id: int
     state: str = LineState.COMPLETED
@@ -312,6 +315,7 @@ class LineOutcome:
     error: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     retry: bool = False
+    started: bool = True  # False: claimed but never sent (handing it back costs no attempt)
     stop: bool = False  # a hard budget or token plan refused: end the batch
 
 
@@ -320,18 +324,30 @@ def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]
 
     One statement for the whole chunk, conditional on each line still being ``running``
     under our lease: a line whose lease was lost (expired, cancelled, or claimed again) is
-    left alone and its result dropped unbilled. Return how many lines were recorded.
+    left alone and its result dropped unbilled. Lines handed back (``retry``) become pending
+    again, or cancelled if the batch is being cancelled meanwhile (a pending line would hold
+    the cancel open). Return how many finished lines were recorded.
     """
     now = timezone.now()
-    retry = [o.line_id for o in outcomes if o.retry]
+    back = [o for o in outcomes if o.retry]
     done = [o for o in outcomes if not o.retry]
     recorded: list[tuple[int, str]] = []
     with transaction.atomic(), connection.cursor() as cur:
-        if retry:
+        if back:
             cur.execute(
-                "UPDATE gateway_batchline SET state = %s, lease_until = NULL, lease_token = ''"
-                " WHERE id = ANY(%s) AND state = %s AND lease_token = %s",
-                [LineState.PENDING, retry, LineState.RUNNING, token])
+                """
+                UPDATE gateway_batchline AS l
+                SET state = CASE WHEN b.status = %s THEN %s ELSE %s END,
+                    finished_at = CASE WHEN b.status = %s THEN NULL ELSE %s::timestamptz END,
+                    lease_until = NULL, lease_token = '',
+                    attempts = l.attempts - (l.id = ANY(%s::bigint[]))::int
+                FROM gateway_batch AS b
+                WHERE b.id = %s AND l.batch_id = b.id AND l.id = ANY(%s::bigint[])
+                  AND l.state = %s AND l.lease_token = %s
+                """,
+                [BatchStatus.IN_PROGRESS, LineState.PENDING, LineState.CANCELLED,
+                 BatchStatus.IN_PROGRESS, now, [o.line_id for o in back if not o.started],
+                 batch_id, [o.line_id for o in back], LineState.RUNNING, token])
         if done:
             values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(done))
             params: list[Any] = []
@@ -353,14 +369,17 @@ def batch_lines_record(*, batch_id: int, token: str, outcomes: list[LineOutcome]
                 """,  # noqa: S608 - only placeholders are interpolated
                 [now, *params, LineState.RUNNING, token])
             recorded = cur.fetchall()
-        completed = sum(1 for _id, state in recorded if state == LineState.COMPLETED)
-        failed = len(recorded) - completed
+        completed = [line_id for line_id, state in recorded if state == LineState.COMPLETED]
         if recorded:
             Batch.objects.filter(pk=batch_id).update(
-                completed=F("completed") + completed, failed=F("failed") + failed,
-                heartbeat_at=now)
+                completed=F("completed") + len(completed),
+                failed=F("failed") + len(recorded) - len(completed), heartbeat_at=now)
     if completed:
-        batch_usage_flush(batch_id=batch_id)
+        # Meter from the outcomes in hand (reading them back cost the worker more than the
+        # write). The lines are committed first, so a crash here leaves them unmetered for
+        # the sweep's batch_usage_flush, never metered without a recorded result.
+        usage = {o.line_id: o.usage for o in done}
+        _usage_append(ids=completed, usage_list=[usage[i] for i in completed if usage[i]])
     return len(recorded)
 
 
@@ -374,20 +393,27 @@ def batch_lines_stop(*, batch_id: int, error: dict[str, Any] | None) -> int:
     return n
 
 
-def batch_usage_flush(*, batch_id: int | None = None) -> int:
-    """Append the usage events of completed, not yet metered lines; return how many."""
+def _usage_append(*, ids: list[int], usage_list: list[dict[str, Any]]) -> None:
+    """Append these lines' usage events, then mark the lines metered.
+
+    Idempotent: each line's request id is its event's key, so a retry after a crash between
+    the append and the update records nothing twice.
+    """
     from metering.services import usage_events_append
 
+    usage_events_append(usage_list)
+    BatchLine.objects.filter(id__in=ids).update(metered=True)
+
+
+def batch_usage_flush(*, batch_id: int | None = None) -> int:
+    """Append the usage events of completed, not yet metered lines; return how many."""
     lines = BatchLine.objects.filter(state=LineState.COMPLETED, metered=False)
     if batch_id is not None:
         lines = lines.filter(batch_id=batch_id)
     done, usage_list, total = [], [], 0
 
     def flush() -> None:
-        # idempotent: each line's request id is its event's key, so a retry after a crash
-        # between the append and the update records nothing twice
-        usage_events_append(usage_list)
-        BatchLine.objects.filter(id__in=done).update(metered=True)
+        _usage_append(ids=done, usage_list=usage_list)
         done.clear()
         usage_list.clear()
 
