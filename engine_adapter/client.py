@@ -35,12 +35,14 @@ from typing import Any, Self
 
 from engine_adapter import http11
 from engine_adapter.cost import attribute_cost
+from engine_adapter.metrics import parse_engine_load
 from engine_adapter.router import Router
 from engine_adapter.types import (
     CallResult,
     EngineBadRequest,
     EngineError,
     EngineInfo,
+    EngineLoad,
     EngineTimeout,
     NoCapacity,
 )
@@ -68,9 +70,47 @@ class EngineClient:
         self.salt_secret = salt_secret
         self._http = http11.Pool(connect_timeout=connect_timeout, write_timeout=10.0,
                                  pool_timeout=10.0, max_connections=max_connections)
+        self._max_running: dict[str, int | None] = {}  # engine URL -> its running cap
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def aloads(self, engines: list[EngineInfo], *, timeout: float = 1.0
+                     ) -> dict[str, EngineLoad | None]:
+        """Scrape the engines' /metrics now, all at once, on this client's connections.
+
+        For callers that act on load many times a second (the batch runner): the health
+        loop's last scrape is seconds old. An engine that does not answer in ``timeout`` is
+        None (no room there). The running cap comes from /get_server_info the first time an
+        engine's metrics lack it (SGLang's do).
+        """
+        async def one(engine: EngineInfo) -> EngineLoad | None:
+            try:
+                async with asyncio.timeout(timeout):
+                    raw = parse_engine_load((await self._get(engine.url + "/metrics")).decode())
+                    cap = int(raw.get("max_running") or 0) or self._max_running.get(engine.url)
+                    if not cap:
+                        info = json.loads(await self._get(engine.url + "/get_server_info"))
+                        cap = self._max_running[engine.url] = int(
+                            info.get("max_running_requests") or 0) or None
+            except (TimeoutError, http11.TransportError, ValueError, AttributeError):
+                return None
+            return EngineLoad(running=int(raw.get("running", 0)),
+                              queued=int(raw.get("queued", 0)),
+                              token_usage=float(raw.get("token_usage", 0.0)), max_running=cap)
+
+        loads = await asyncio.gather(*(one(engine) for engine in engines))
+        return {engine.engine_id: load for engine, load in zip(engines, loads, strict=True)}
+
+    async def _get(self, url: str) -> bytes:
+        response = await self._http.get(url)
+        try:
+            body = await response.aread()
+        finally:
+            await response.aclose()
+        if response.status_code != 200:
+            raise http11.TransportError(f"GET {url}: HTTP {response.status_code}")
+        return body
 
     def call(self, *, model: str, path: str, body: dict[str, Any], namespace: str,
              prompt_text: str, allowed_regions: set[str] | None = None,

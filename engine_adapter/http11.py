@@ -133,6 +133,14 @@ class Pool:
 
     async def post(self, url: str, body: bytes) -> Response:
         """POST a JSON body; return once the response headers have arrived."""
+        return await self.request("POST", url, body)
+
+    async def get(self, url: str) -> Response:
+        """GET ``url``; return once the response headers have arrived."""
+        return await self.request("GET", url)
+
+    async def request(self, method: str, url: str, body: bytes | None = None) -> Response:
+        """Send a request (a JSON ``body``, if any); return once the headers have arrived."""
         parts = urlsplit(url)
         scheme, host = parts.scheme, parts.hostname or ""
         port = parts.port or (443 if scheme == "https" else 80)
@@ -147,12 +155,15 @@ class Pool:
         conn = None
         try:
             conn = await self._connection((scheme, host, port))
-            request = conn.h11.send(h11.Request(method="POST", target=target, headers=[
-                ("Host", parts.netloc), ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))), ("Accept", "*/*")]))
+            headers = [("Host", parts.netloc), ("Accept", "*/*")]
+            if body is not None:
+                headers += [("Content-Type", "application/json"),
+                            ("Content-Length", str(len(body)))]
+            request = conn.h11.send(h11.Request(method=method, target=target, headers=headers))
+            if body is not None:
+                request += conn.h11.send(h11.Data(data=body))
             # One write for the whole request: one segment, one wake-up of the engine.
-            conn.writer.write(request + conn.h11.send(h11.Data(data=body))
-                              + conn.h11.send(h11.EndOfMessage()))
+            conn.writer.write(request + conn.h11.send(h11.EndOfMessage()))
             async with asyncio.timeout(self.write_timeout):
                 await conn.writer.drain()
             while True:

@@ -606,7 +606,7 @@ class _EngineCall:
     async def _run(self, send: Send) -> None:
         fail_after = self.engine.faults.fail_after_tokens
         tokens = 0
-        events = self.engine.generate(self.req)
+        events = self.engine.generate(self.req, paced=self.stream_chunks is not None)
         try:
             if self.stream_chunks is None:
                 async for _ in events:

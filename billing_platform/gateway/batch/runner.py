@@ -1,9 +1,9 @@
 """Run a batch's lines through the fleet in the troughs.
 
 One run is a time slice of one Celery task: it asks the engine adapter how much spare room the
-model's engines have (``engine_adapter.selectors.spare_slots``, scraped live), leases that many
-lines, sends them at the lowest SGLang priority, records the outcomes, and asks again. With no
-spare room it sends nothing and waits; interactive traffic always has the engines first.
+model's engines have (scraped live), sends that many lines at the lowest SGLang priority,
+and asks again as they finish; outcomes are recorded in groups. With no spare room it sends
+nothing and waits; interactive traffic always has the engines first.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from billing_platform.gateway.services import (
     usage_event,
 )
 from engine_adapter.registry import Fleet
-from engine_adapter.selectors import spare_slots
+from engine_adapter.selectors import low_priority_share
 from engine_adapter.types import EngineBadRequest, EngineError, EngineInfo, NoCapacity
 from plans import admission as quota
 
@@ -45,6 +45,7 @@ IDLE_WAIT_S = 0.2
 HEARTBEAT_S = 1.0  # how often a runner reads the batch's status (cancel) and says it is alive
 RECORD_EVERY = 64  # outcomes written per transaction, at most
 WRITE_AFTER_S = 1.0  # ...or once the oldest unwritten outcome is this old
+PROBE_EVERY_S = 0.2  # how often the engines' load is scraped while a batch runs
 SEND_GRACE_S = 0.01  # probe no sooner than this after starting lines (they must reach engines)
 DEFAULT_MAX_OUTPUT = 4096
 # Admission answers that end the batch: the remaining lines go to the error file unbilled.
@@ -235,9 +236,6 @@ class _Pipeline:
             return False
         finished, _ = await asyncio.wait(self.flying, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
-        # Lines just started may not have reached their engine yet, so a probe now would
-        # not count them and start too many: give them a moment.
-        await asyncio.sleep(self.started_at + SEND_GRACE_S - time.monotonic())
         retry = False
         for task in finished:
             outcome = task.result()
@@ -276,21 +274,23 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                  deadline: float) -> str:
     """Keep the engines' spare room filled with lines until the deadline or the end.
 
-    The live probe (``spare_slots``) says how many more batch requests the engines can take
-    now; that many lines start, and the probe is asked again when a line finishes (or after
-    IDLE_WAIT_S when there was no room). Outcomes are written RECORD_EVERY lines at a time,
-    and the batch's status is read once per HEARTBEAT_S: the database round trips per line
-    were most of what a running batch cost the machine it shares with interactive traffic.
+    A live scrape of the engines every PROBE_EVERY_S (``EngineClient.aloads``) says how many
+    lines may be in flight (``low_priority_share``: a fraction of the engines' slots, less
+    what interactive traffic uses); in between, a finished line is replaced at once while
+    that share allows, so engines are neither scraped per line (their /metrics is not
+    cheap) nor left idle until the next scrape. Outcomes are written RECORD_EVERY lines at
+    a time, and the batch's status is read once per HEARTBEAT_S: the database round trips
+    per line were most of what a running batch cost the machine it shares with
+    interactive traffic.
     A runner that dies loses only unwritten outcomes: those lines are still leased and run
     again once the lease ends, each recorded once.
     """
     batch_id = batch.pk
     heartbeat = sync_to_async(batch_services.batch_heartbeat)
-    probe = sync_to_async(spare_slots)
     lines = _Pipeline(batch, fleet=fleet, principal=principal, regions=regions, policy=policy)
     why = "slice"
-    next_beat = 0.0
-    hold_until = 0.0  # after a retry (rate limit, engine trouble): start nothing until then
+    next_beat = next_probe = 0.0
+    share = 0  # how many lines may be in flight, as of the last probe
     try:
         while time.monotonic() < deadline and lines.stop is None:
             if time.monotonic() >= next_beat:
@@ -298,18 +298,22 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                 if await heartbeat(batch_id=batch_id) != BatchStatus.IN_PROGRESS:
                     why = "stopped"  # finished lines are kept, also when cancelled
                     break
-            room = 0
-            if time.monotonic() >= hold_until:
+            if time.monotonic() >= next_probe:
+                # lines just started may not have reached their engine: let them be counted
+                await asyncio.sleep(lines.started_at + SEND_GRACE_S - time.monotonic())
                 await fleet.arefresh_if_stale()
-                room = await probe(model=batch.model, regions=regions, live=True,
-                                   fraction=settings.BATCH_MAX_RUNNING_FRACTION,
-                                   engines=_healthy(fleet, batch.model, regions))
-                await lines.start(room)
+                loads = await fleet.client.aloads(_healthy(fleet, batch.model, regions))
+                share = low_priority_share(loads.values(), ours=len(lines.flying),
+                                           fraction=settings.BATCH_MAX_RUNNING_FRACTION)
+                next_probe = time.monotonic() + PROBE_EVERY_S
+            await lines.start(share - len(lines.flying))
             if lines.drained and not lines.waiting and not lines.flying:
                 why = "drained"
                 break
-            if await lines.wait(IDLE_WAIT_S):
-                hold_until = time.monotonic() + IDLE_WAIT_S  # back off
+            if await lines.wait(max(0.0, next_probe - time.monotonic())):
+                # rate-limited or engine trouble: start nothing until the next probe
+                share = 0
+                next_probe = time.monotonic() + IDLE_WAIT_S
             await lines.write()
     finally:
         await lines.close()
