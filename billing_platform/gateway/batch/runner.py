@@ -332,9 +332,20 @@ def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineI
         return []
 
 
+def _loop_factory():
+    """uvloop where installed (as the gateway runs under uvicorn): the event loop itself was
+    most of the batch worker's own CPU per line under asyncio's pure-Python loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def batch_run(*, batch_id: int, slice_s: float | None = None) -> str:
     """Run one slice of a batch; finalize it when done. Return why the slice ended."""
-    why = asyncio.run(_run(batch_id, slice_s=slice_s or settings.BATCH_SLICE_S))
+    with asyncio.Runner(loop_factory=_loop_factory()) as loop:
+        why = loop.run(_run(batch_id, slice_s=slice_s or settings.BATCH_SLICE_S))
     if why in ("drained", "stopped"):
         batch_services.batch_finalize_if_done(batch_id=batch_id)
     return why
