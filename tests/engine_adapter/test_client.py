@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 import urllib.request
 from decimal import Decimal
 
@@ -163,3 +165,51 @@ def test_a_finished_stream_hands_its_engine_connection_to_the_next_request(sim_f
     results = asyncio.run(scenario())
     assert [r.status for r in results] == ["ok"] * 3
     assert all(r.completion_tokens == 8 for r in results)
+
+
+def test_live_loads_give_batch_the_share_interactive_traffic_leaves(sim_factory):
+    from engine_adapter.selectors import low_priority_share
+
+    # given two engines with 8 slots each, one running two long interactive requests, and a
+    # third engine that is down
+    busy = sim_factory(served_model_name="m1", max_running_requests=8,
+                       decode_tokens_per_s=50, prefill_tokens_per_s=100000)
+    idle = sim_factory(served_model_name="m1", max_running_requests=8)
+    gone = EngineInfo(engine_id="gone", pool="p", model="m1", region="us-east",
+                      url="http://127.0.0.1:9", gpu_hourly_cost=Decimal("1"), gpus=1)
+    engines = [_info(busy, "busy"), _info(idle, "idle"), gone]
+    client = EngineClient(Router(engines[:1]))
+
+    async def scenario():
+        body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 200,
+                "stream": True}
+        calls = [client.call(model="m1", path="/v1/chat/completions", body=body,
+                             namespace="o", prompt_text="go on") for _ in range(2)]
+        for call in calls:
+            await call.__aenter__()
+        await asyncio.to_thread(lambda: _wait(lambda: _stats(busy)["running"] == 2))
+        loads = await client.aloads(engines, timeout=0.5)
+        for call in calls:
+            await call.__aexit__(None, None, None)
+        await client.aclose()
+        return loads
+
+    loads = asyncio.run(scenario())
+
+    # then the scrape sees each engine's running requests and its cap, and none for the dead one
+    assert loads["busy"].running == 2 and loads["busy"].max_running == 8
+    assert loads["idle"].running == 0 and loads["gone"] is None
+    # a quarter of 2 x 8 slots is 4; interactive traffic uses 2 of them
+    assert low_priority_share(loads.values(), fraction=0.25, ours=0) == 2
+    # the caller's own requests are counted by the engines too: they are not interactive
+    assert low_priority_share(loads.values(), fraction=0.25, ours=2) == 4
+    # any queue on an engine: it offers nothing
+    queued = dataclasses.replace(loads["busy"], queued=1)
+    assert low_priority_share([queued, loads["idle"]], fraction=0.25, ours=0) == 2
+
+
+def _wait(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)

@@ -343,6 +343,40 @@ def test_priority_orders_starts_and_metrics_show_queue(
     assert after["sglang:num_requests_total"] == 4
 
 
+def test_non_streaming_request_holds_its_slot_for_its_decode_time(
+    sim_factory: Callable[..., SimProcess],
+) -> None:
+    # A non-streaming request wakes once, at its end: the timing, the running slot and the
+    # counts must still be those of a request decoded token by token.
+    sim = sim_factory(max_running_requests=4, decode_tokens_per_s=100)
+    body = {"model": sim.model, "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count slowly."}]}
+    with httpx.Client(base_url=sim.base_url, timeout=10) as client:
+        streamed = client.post("/v1/chat/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}).text
+
+    async def scenario() -> tuple[dict[str, Any], float, float]:
+        async with httpx.AsyncClient(base_url=sim.base_url, timeout=10) as client:
+            started = time.monotonic()
+            pending = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.to_thread(_wait_for, lambda: _stats(sim)["running"] == 1)
+            running_at = time.monotonic() - started
+            answer = (await pending).json()
+            return answer, running_at, time.monotonic() - started
+
+    answer, running_at, took = asyncio.run(scenario())
+    completion = answer["usage"]["completion_tokens"]
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    assert completion >= 20 and running_at < took
+    assert took >= completion / 100 * 0.9  # one token per 10 ms, as when streamed
+    pieces = [json.loads(line[6:]) for line in streamed.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces
+                   if p["choices"]) == answer["choices"][0]["message"]["content"]
+    assert pieces[-1]["usage"]["completion_tokens"] == completion
+    assert _stats(sim)["running"] == 0
+
+
 def test_client_disconnect_mid_stream_aborts_and_frees_slot(
     sim_factory: Callable[..., SimProcess],
 ) -> None:

@@ -131,6 +131,40 @@ def test_cancel_keeps_finished_and_in_flight_lines_and_drops_the_rest(stack, set
     assert client.batches.cancel(batch.public_id).status == "cancelled"
 
 
+def test_lines_handed_back_run_again_or_end_cancelled_if_the_batch_was_cancelled(
+        stack, settings):
+    from billing_platform.gateway.batch.services import LineOutcome
+
+    # given a worker holding 4 lines: 2 it tried (the engine failed) and 2 it never sent
+    client, batch = _started_batch(stack, settings)
+    token, held = batch_services.batch_lines_claim(batch_id=batch.pk, limit=4)
+    tried = [LineOutcome(line.id, retry=True) for line in held[:2]]
+    unsent = [LineOutcome(line.id, retry=True, started=False) for line in held[2:]]
+
+    # when it hands them back while the batch runs
+    batch_services.batch_lines_record(batch_id=batch.pk, token=token, outcomes=tried + unsent)
+
+    # then all four can be claimed again; only the tried ones used up an attempt
+    lines = {line.id: line for line in BatchLine.objects.filter(id__in=[h.id for h in held])}
+    assert {line.state for line in lines.values()} == {"pending"}
+    assert [lines[h.id].attempts for h in held] == [1, 1, 0, 0]
+
+    # when the same happens after the caller cancelled
+    token, held = batch_services.batch_lines_claim(batch_id=batch.pk, limit=4)
+    client.batches.cancel(batch.public_id)
+    batch_services.batch_lines_record(batch_id=batch.pk, token=token, outcomes=[
+        LineOutcome(line.id, retry=True, started=i < 2) for i, line in enumerate(held)])
+
+    # then they end cancelled instead of pending (which held the cancel open until expiry)
+    assert batch_services.batch_finalize_if_done(batch_id=batch.pk)
+    cancelled = client.batches.retrieve(batch.public_id)
+    assert cancelled.status == "cancelled"
+    assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (0, 0)
+    errors = results(client, cancelled.error_file_id)
+    assert len(errors) == 10 and {r["error"]["code"] for r in errors} == {"batch_cancelled"}
+    assert batch_events(batch.public_id, 0) == []
+
+
 def test_cancel_under_a_worker_stops_within_a_minute(
         transactional_db, tmp_path, settings, metering_stream, celery_worker_process):
     # given a worker running a batch on slow engines
