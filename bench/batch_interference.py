@@ -10,8 +10,8 @@ so that drift in the machine's other load falls on both alike.
 
 Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
 ``./tollgate services``). The Celery batch worker runs at the CPU priority ``./tollgate up`` gives
-it (``devstack.background_priority``: SCHED_IDLE on Linux), as on any host it shares with the
-gateway and engines; a large deployment runs it elsewhere.
+it (``devstack.background_priority``: SCHED_IDLE on Linux, in a session group of nice 19), as
+on any host it shares with the gateway and engines; a large deployment runs it elsewhere.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
@@ -334,9 +335,9 @@ def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineI
         return []
 
 
-def _loop_factory():
-    """uvloop where installed (as the gateway runs under uvicorn): the event loop itself was
-    most of the batch worker's own CPU per line under asyncio's pure-Python loop."""
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where installed, as the gateway runs under uvicorn: every line is a few
+    network round trips, and asyncio's own loop spends more CPU on each."""
     try:
         import uvloop
     except ImportError:
