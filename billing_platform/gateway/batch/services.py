@@ -286,20 +286,28 @@ def batch_lines_claim(*, batch_id: int, limit: int) -> tuple[str, list[BatchLine
     """Lease up to ``limit`` runnable lines (pending, or leased by a worker that died)."""
     token = secrets.token_hex(8)
     lease_until = timezone.now() + timedelta(seconds=settings.BATCH_LEASE_S)
+    # Lines whose lease ran out first, then pending ones, each read in line order straight
+    # off the (batch, state, line_no) index: one scan with "pending OR expired" sorted every
+    # runnable line of the batch per claim (16 ms for 20,000 lines, once a second).
     with connection.cursor() as cur:
         cur.execute(
             """
+            WITH expired AS (
+                SELECT id FROM gateway_batchline
+                WHERE batch_id = %s AND state = %s AND lease_until < now()
+                ORDER BY line_no LIMIT %s FOR UPDATE SKIP LOCKED),
+            pending AS (
+                SELECT id FROM gateway_batchline WHERE batch_id = %s AND state = %s
+                ORDER BY line_no LIMIT (%s - (SELECT count(*) FROM expired))
+                FOR UPDATE SKIP LOCKED)
             UPDATE gateway_batchline SET state = %s, lease_until = %s, lease_token = %s,
                    attempts = attempts + 1
-            WHERE id IN (
-                SELECT id FROM gateway_batchline
-                WHERE batch_id = %s AND (state = %s OR (state = %s AND lease_until < now()))
-                ORDER BY line_no LIMIT %s FOR UPDATE SKIP LOCKED)
+            WHERE id IN (SELECT id FROM expired UNION ALL SELECT id FROM pending)
               AND EXISTS (SELECT 1 FROM gateway_batch b WHERE b.id = %s AND b.status = %s)
             RETURNING id
             """,
-            [LineState.RUNNING, lease_until, token, batch_id, LineState.PENDING,
-             LineState.RUNNING, limit, batch_id, BatchStatus.IN_PROGRESS])
+            [batch_id, LineState.RUNNING, limit, batch_id, LineState.PENDING, limit,
+             LineState.RUNNING, lease_until, token, batch_id, BatchStatus.IN_PROGRESS])
         ids = [row[0] for row in cur.fetchall()]
     return token, list(BatchLine.objects.filter(id__in=ids).order_by("line_no"))
 
