@@ -95,9 +95,7 @@ class EngineClient:
                             info.get("max_running_requests") or 0) or None
             except (TimeoutError, http11.TransportError, ValueError, AttributeError):
                 return None
-            return EngineLoad(running=int(raw.get("running", 0)),
-                              queued=int(raw.get("queued", 0)),
-                              token_usage=float(raw.get("token_usage", 0.0)), max_running=cap)
+            return EngineLoad.from_metrics(raw, max_running=cap)
 
         loads = await asyncio.gather(*(one(engine) for engine in engines))
         return {engine.engine_id: load for engine, load in zip(engines, loads, strict=True)}

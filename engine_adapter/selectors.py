@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_adapter.choices import EngineStatus
@@ -31,12 +30,7 @@ def fleet_snapshot() -> FleetSnapshot:
         ))
         if inst.status == EngineStatus.HEALTHY:
             healthy.add(inst.engine_id)
-        raw = inst.load or {}
-        loads[inst.engine_id] = EngineLoad(
-            running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
-            token_usage=float(raw.get("token_usage", 0.0)),
-            max_running=int(raw["max_running"]) if raw.get("max_running") else None,
-        )
+        loads[inst.engine_id] = EngineLoad.from_metrics(inst.load or {})
     return FleetSnapshot(engines, healthy, loads)
 
 
@@ -54,24 +48,3 @@ def served_models() -> dict[str, set[str]]:
     for model, region in Pool.objects.filter(in_spec=True).values_list("model", "region"):
         models.setdefault(model, set()).add(region)
     return models
-
-
-# -- spare capacity: the signal batch runs on ----------------------------------------------
-
-def low_priority_share(loads: Iterable[EngineLoad | None], *, fraction: float, ours: int,
-                       default_max_running: int = 64) -> int:
-    """Return how many low-priority requests of one caller may be running at once now.
-
-    Low-priority work (batch) may fill ``fraction`` of each engine's running slots, less
-    what interactive traffic uses there; ``ours`` is how many of the caller's requests are
-    running now (the engines count them with the rest). An engine with anything in its
-    queue, or whose load is unknown (None: it did not answer), offers nothing: there is no
-    trough to fill.
-    """
-    budget = running = 0
-    for load in loads:
-        if load is None or load.queued > 0:
-            continue
-        budget += max(1, int((load.max_running or default_max_running) * fraction))
-        running += load.running
-    return max(0, budget - max(0, running - ours))

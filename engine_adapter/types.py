@@ -6,6 +6,7 @@ by the ``Router`` and hands it back to the ``EngineClient``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -33,6 +34,19 @@ class EngineLoad:
     token_usage: float = 0.0  # fraction of KV cache in use; a gauge, never money
     max_running: int | None = None
 
+    @classmethod
+    def from_metrics(cls, raw: dict[str, float], *, max_running: int | None = None
+                     ) -> EngineLoad:
+        """Build from ``metrics.parse_engine_load``'s figures; ``max_running`` when the
+        metrics lack the engine's running cap (SGLang's do)."""
+        return cls(running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
+                   token_usage=float(raw.get("token_usage", 0.0)),
+                   max_running=int(raw.get("max_running") or 0) or max_running)
+
+    def low_priority_slots(self, *, fraction: float, default_max_running: int = 64) -> int:
+        """Return how many of the engine's running slots low-priority work may fill (>= 1)."""
+        return max(1, int((self.max_running or default_max_running) * fraction))
+
     def spare_room(self, *, fraction: float = 1.0, default_max_running: int = 64) -> int:
         """Return how many more requests may start below ``fraction`` of the engine's slots.
 
@@ -41,8 +55,9 @@ class EngineLoad:
         """
         if self.queued > 0:
             return 0
-        cap = self.max_running or default_max_running
-        return max(0, max(1, int(cap * fraction)) - self.running)
+        return max(0, self.low_priority_slots(fraction=fraction,
+                                              default_max_running=default_max_running)
+                   - self.running)
 
     def saturated(self, *, queue_factor: float) -> bool:
         """Return True when the queue holds ``queue_factor`` batches' worth of requests."""
@@ -107,3 +122,23 @@ class EngineBadRequest(EngineError):
         # OpenAI names this case; SGLang and vLLM only say it in the message.
         if "context length" in message.lower():
             self.code = "context_length_exceeded"
+
+
+def low_priority_share(loads: Iterable[EngineLoad | None], *, fraction: float, ours: int,
+                       default_max_running: int = 64) -> int:
+    """Return how many low-priority requests of one caller may be running at once now.
+
+    Low-priority work (batch) may fill ``fraction`` of each engine's running slots, less
+    what interactive traffic uses there; ``ours`` is how many of the caller's requests are
+    running now (the engines count them with the rest). An engine with anything in its
+    queue, or whose load is unknown (None: it did not answer), offers nothing: there is no
+    trough to fill.
+    """
+    budget = running = 0
+    for load in loads:
+        if load is None or load.queued > 0:
+            continue
+        budget += load.low_priority_slots(fraction=fraction,
+                                          default_max_running=default_max_running)
+        running += load.running
+    return max(0, budget - max(0, running - ours))

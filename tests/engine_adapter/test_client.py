@@ -14,7 +14,7 @@ import pytest
 from engine_adapter.client import EngineClient
 from engine_adapter.router import Router
 from engine_adapter.sim.testing import FAST_RATES
-from engine_adapter.types import EngineError, EngineInfo
+from engine_adapter.types import EngineError, EngineInfo, low_priority_share
 
 LONG = "The quick brown fox jumps over the lazy dog near the riverbank. " * 30
 
@@ -168,8 +168,6 @@ def test_a_finished_stream_hands_its_engine_connection_to_the_next_request(sim_f
 
 
 def test_live_loads_give_batch_the_share_interactive_traffic_leaves(sim_factory):
-    from engine_adapter.selectors import low_priority_share
-
     # given two engines with 8 slots each, one running two long interactive requests, and a
     # third engine that is down
     busy = sim_factory(served_model_name="m1", max_running_requests=8,

@@ -34,8 +34,13 @@ from billing_platform.gateway.services import (
     usage_event,
 )
 from engine_adapter.registry import Fleet
-from engine_adapter.selectors import low_priority_share
-from engine_adapter.types import EngineBadRequest, EngineError, EngineInfo, NoCapacity
+from engine_adapter.types import (
+    EngineBadRequest,
+    EngineError,
+    EngineInfo,
+    NoCapacity,
+    low_priority_share,
+)
 from plans import admission as quota
 
 log = logging.getLogger(__name__)
@@ -215,9 +220,9 @@ class _Pipeline:
     def unwritten_count(self) -> int:
         return sum(map(len, self.unwritten.values()))
 
-    async def start(self, n: int) -> int:
+    async def start(self, n: int) -> None:
         """Send up to ``n`` lines (claiming BATCH_CHUNK more when none wait, at most once per
-        call); return how many started."""
+        call)."""
         if n > 0 and not self.waiting and not self.drained:
             self.token, lines = await self.claim_sync(batch_id=self.batch.pk,
                                                       limit=settings.BATCH_CHUNK)
@@ -230,7 +235,6 @@ class _Pipeline:
             started += 1
         if started:
             self.started_at = time.monotonic()
-        return started
 
     async def wait(self, timeout: float) -> bool:
         """Wait until a line finishes or ``timeout``; keep the outcomes; True if any retry."""
