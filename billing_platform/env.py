@@ -60,6 +60,11 @@ BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
 # 10-20 % (bench/batch_interference.py); raise it where engines run on their own GPUs.
 BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION",
                                               default=0.125)
+# Batch lines start only while the batch worker's host was less busy than this share of its
+# CPUs (the worker's own use not counted) over the last probe: where gateway, engines and batch
+# worker share a machine, the CPU is part of the spare capacity batch may use. 1.0 turns the
+# check off (a worker on a host of its own never comes near it).
+BATCH_HOST_CPU_CEILING: float = env.float("TOLLGATE_BATCH_HOST_CPU_CEILING", default=0.75)
 # Beat period of the batch sweep (expiry, cancellation, restarting orphaned batches).
 BATCH_SWEEP_S: float = env.float("TOLLGATE_BATCH_SWEEP_S", default=15.0)
 

@@ -177,6 +177,7 @@ FILES_MAX_BYTES = 200 * 1024 * 1024
 FILES_MAX_LINES = 50_000
 BATCH_LEASE_S = E.BATCH_LEASE_S
 BATCH_MAX_RUNNING_FRACTION = E.BATCH_MAX_RUNNING_FRACTION
+BATCH_HOST_CPU_CEILING = E.BATCH_HOST_CPU_CEILING
 BATCH_SWEEP_S = E.BATCH_SWEEP_S
 BATCH_CHUNK = 64              # most lines claimed at once by one worker
 BATCH_SLICE_S = 30.0          # a run task yields the worker after this long and re-enqueues

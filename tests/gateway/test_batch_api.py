@@ -10,6 +10,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -307,3 +309,58 @@ def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         stop.set()
         stop_gateway(stack.gateway)
         sim.stop()
+
+
+def test_a_host_with_busy_cpus_gets_no_batch_line_until_they_are_free(
+        stack, celery_worker_process):
+    # given engines with plenty of free slots, on a host whose every core is kept busy by
+    # ordinary processes (as a gateway and engines at full load keep a shared host busy)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        client = stack.client()
+        file_id = upload(client, [request_line(i, max_tokens=2) for i in range(20)])
+        celery_worker_process(queues="batch", beat=True, env=stack.env)
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        wait_status(client, batch.id, ("in_progress", "failed"))
+        wait_until(lambda: Batch.objects.get(public_id=batch.id).heartbeat_at, timeout=30,
+                   what="the batch runner to start")
+
+        # when the runner has been looking for spare capacity for a while
+        time.sleep(3)
+        # then it claimed no line: the engines' free slots are not spare while the CPU is not
+        assert not BatchLine.objects.filter(batch__public_id=batch.id, attempts__gt=0).exists()
+
+        # when the cores are free again, the batch runs to the end
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        done = wait_status(client, batch.id, ("completed",), timeout=60)
+        assert done.request_counts.completed == 20
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_host_cpu_counts_what_others_kept_busy(tmp_path):
+    from billing_platform.gateway.batch.runner import HostCpu
+
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+
+    def write(user: int, idle: int) -> None:
+        # user nice system idle iowait irq softirq steal guest guest_nice
+        stat.write_text(f"cpu  {user} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\n")
+
+    write(user=1000, idle=1000)
+    host = HostCpu(str(stat))
+    # when others kept 3 of 4 CPU-seconds busy since the first reading
+    write(user=1000 + 3 * hz, idle=1000 + hz)
+    # then the host was 75 % busy (less the little this process used meanwhile)
+    assert host.busy() == pytest.approx(0.75, abs=0.02)
+    # and a reading with no time passed, or an unreadable file, says nothing
+    assert host.busy() is None
+    stat.unlink()
+    assert host.busy() is None

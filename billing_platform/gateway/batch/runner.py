@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -192,6 +193,41 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
         await sync_to_async(_close_db)()
 
 
+class HostCpu:
+    """How busy this machine's CPUs were between two readings, this process's own use left out.
+
+    Where gateway, engines and batch worker share a machine, every CPU-second a batch line
+    costs (in the engine, PostgreSQL, this worker) is taken from interactive requests once
+    the cores are busy, whatever the engines' slots say; SCHED_IDLE only orders this worker
+    itself. Reads /proc/stat (Linux): elsewhere, and on a first reading, ``busy`` is None.
+    """
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+
+    def _read(self) -> tuple[int, int, float] | None:
+        try:
+            with open(self.path, "rb") as f:
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+        return sum(ticks), ticks[3] + ticks[4], own.user + own.system
+
+    def busy(self) -> float | None:
+        """Return the share of all CPUs others kept busy since the last call (0..1)."""
+        now, last = self._read(), self.last
+        self.last = now
+        if now is None or last is None or now[0] <= last[0]:
+            return None
+        cpu_s = (now[0] - last[0]) / self.hz
+        others = ((now[0] - last[0]) - (now[1] - last[1])) / self.hz - (now[2] - last[2])
+        return min(1.0, max(0.0, others / cpu_s))
+
+
 class _Pipeline:
     """The lines one slice holds: claimed and waiting, in flight, and finished but unwritten.
 
@@ -283,12 +319,13 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
 
     A live scrape of the engines every PROBE_EVERY_S (``EngineClient.aloads``) says how many
     lines may be in flight (``low_priority_share``: a fraction of the engines' slots, less
-    what interactive traffic uses); in between, a finished line is replaced at once while
-    that share allows, so engines are neither scraped per line (their /metrics is not
-    cheap) nor left idle until the next scrape. Outcomes are written RECORD_EVERY lines at
-    a time, and the batch's status is read once per HEARTBEAT_S: the database round trips
-    per line were most of what a running batch cost the machine it shares with
-    interactive traffic.
+    what interactive traffic uses), and none at all while this host's CPUs were busier than
+    BATCH_HOST_CPU_CEILING since the last probe (``HostCpu``); in between, a finished line
+    is replaced at once while that share allows, so engines are neither scraped per line
+    (their /metrics is not cheap) nor left idle until the next scrape. Outcomes are written
+    RECORD_EVERY lines at a time, and the batch's status is read once per HEARTBEAT_S: the
+    database round trips per line were most of what a running batch cost the machine it
+    shares with interactive traffic.
     A runner that dies loses only unwritten outcomes: those lines are still leased and run
     again once the lease ends, each recorded once.
     """
@@ -298,6 +335,8 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
     why = "slice"
     next_beat = next_probe = 0.0
     share = 0  # how many lines may be in flight, as of the last probe
+    host = HostCpu()
+    held = probes = 0
     try:
         while time.monotonic() < deadline and lines.stop is None:
             if time.monotonic() >= next_beat:
@@ -312,6 +351,10 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                 loads = await fleet.client.aloads(_healthy(fleet, batch.model, regions))
                 share = low_priority_share(loads.values(), ours=len(lines.flying),
                                            fraction=settings.BATCH_MAX_RUNNING_FRACTION)
+                busy = host.busy()
+                probes += 1
+                if busy is not None and busy >= settings.BATCH_HOST_CPU_CEILING:
+                    share, held = 0, held + 1  # the host's CPU has no trough to fill
                 next_probe = time.monotonic() + PROBE_EVERY_S
             await lines.start(share - len(lines.flying))
             if lines.drained and not lines.waiting and not lines.flying:
@@ -324,6 +367,8 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
             await lines.write()
     finally:
         await lines.close()
+        log.info("batch %s: slice ended (%s); host CPU held lines back at %d of %d probes",
+                 batch.public_id, why, held, probes)
     if lines.stop is not None:
         await sync_to_async(batch_services.batch_lines_stop)(batch_id=batch_id,
                                                              error=lines.stop.error)
