@@ -110,6 +110,27 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def ratio_interval(rounds: list[tuple[list[float], list[float]]], q: float, *,
+                   resamples: int = 400, seed: int = 1) -> list[float]:
+    """Return a 90 % bootstrap interval of the with/without ratio of the ``q`` quantile.
+
+    ``rounds`` holds each round's (without, with) TTFTs; whole rounds are resampled, both
+    phases together, since a stall of the machine hits the requests of one round alike. A
+    p99 from a few thousand samples rests on a few dozen of them, so the interval says how
+    far one run's ratio can be trusted (an A/A run, ``--calibrate``, shows it too).
+    """
+    import random
+
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        picked = rng.choices(rounds, k=len(rounds))
+        ratios.append(pct([t for _, w in picked for t in w], q)
+                      / pct([t for wo, _ in picked for t in wo], q))
+    ratios.sort()
+    return [round(ratios[int(0.05 * resamples)], 3), round(ratios[int(0.95 * resamples)], 3)]
+
+
 async def ttfts(url: str, secret: str, *, requests: int, concurrency: int) -> list[float]:
     """Send ``requests`` streaming chats, ``concurrency`` at a time; return TTFTs in ms."""
     headers = {"Authorization": f"Bearer {secret}"}
@@ -238,8 +259,7 @@ def main() -> None:
             time.sleep(0.5)
         # Alternate short blocks without (worker paused with SIGSTOP, its in-flight lines
         # drained) and with the batch running, so drift in the machine's load hits both.
-        without: list[float] = []
-        with_batch: list[float] = []
+        rounds: list[tuple[list[float], list[float]]] = []  # (without, with) TTFTs
         ran = 0
         block = max(1, args.requests // args.rounds)
         cpu = CpuMeter({"gateway": [gateway.pid], "batch_worker": [worker.pid],
@@ -250,17 +270,19 @@ def main() -> None:
             os.killpg(worker.pid, signal.SIGSTOP)
             time.sleep(0.5)
             with cpu.phase("without"):
-                without += asyncio.run(ttfts(url, secret, requests=block,
-                                             concurrency=args.concurrency))
+                alone = asyncio.run(ttfts(url, secret, requests=block,
+                                          concurrency=args.concurrency))
             if not args.calibrate:
                 os.killpg(worker.pid, signal.SIGCONT)
             time.sleep(0.5)
             before = client.batches.retrieve(batch_id).request_counts.completed
             with cpu.phase("with"):
-                with_batch += asyncio.run(ttfts(url, secret, requests=block,
-                                                concurrency=args.concurrency))
+                rounds.append((alone, asyncio.run(ttfts(url, secret, requests=block,
+                                                        concurrency=args.concurrency))))
             ran += client.batches.retrieve(batch_id).request_counts.completed - before
         after = client.batches.retrieve(batch_id)
+        without = [t for alone, _ in rounds for t in alone]
+        with_batch = [t for _, shared in rounds for t in shared]
         log(f"without batch: p50 {pct(without, 0.5):.2f} ms, p99 {pct(without, 0.99):.2f} ms")
         log(f"with batch: p50 {pct(with_batch, 0.5):.2f} ms, p99 "
             f"{pct(with_batch, 0.99):.2f} ms; {ran} batch lines ran meanwhile "
@@ -285,6 +307,8 @@ def main() -> None:
         "calibration": args.calibrate,  # True: no batch ran in either phase (A/A)
         "ttft_p50_ratio": round(pct(with_batch, 0.5) / pct(without, 0.5), 3),
         "ttft_p99_ratio": round(pct(with_batch, 0.99) / pct(without, 0.99), 3),
+        "ttft_ratio_90pct_interval": {"p50": ratio_interval(rounds, 0.5),
+                                      "p99": ratio_interval(rounds, 0.99)},
         "ttft_ms": {phase: {f"p{round(q * 100)}": round(pct(values, q), 3)
                             for q in (0.5, 0.9, 0.95, 0.99)}
                     for phase, values in (("without", without), ("with", with_batch))},

@@ -18,6 +18,7 @@ downloading a model, so the scheme is deliberately simple and documented here:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import re
@@ -42,6 +43,7 @@ class TemplateError(ValueError):
     """A chat message the simulator cannot render (bad role, non-text content)."""
 
 
+@functools.lru_cache(maxsize=8192)  # completions draw from a few dozen words: hashed once
 def piece_id(piece: str) -> int:
     """Return the stable token id of one text piece."""
     digest = hashlib.blake2b(piece.encode("utf-8"), digest_size=8).digest()
