@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -144,3 +145,18 @@ def django_db_setup(django_db_setup, django_db_blocker):
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
+
+
+@pytest.fixture
+def metering_stream(settings, tmp_path) -> Iterator[dict[str, str]]:
+    """A private usage stream and spool for this test; returns the env for child processes."""
+    from metering import stream
+
+    settings.METERING_STREAM_KEY = f"tg:usage:test:{uuid.uuid4().hex[:10]}"
+    settings.METERING_SPOOL_DIR = str(tmp_path / "spool")
+    settings.METERING_REDIS_URL = settings.REDIS_URL
+    stream.reset_clients()
+    yield {"TOLLGATE_USAGE_STREAM": settings.METERING_STREAM_KEY,
+           "TOLLGATE_USAGE_REDIS_URL": settings.REDIS_URL,
+           "TOLLGATE_SPOOL_DIR": settings.METERING_SPOOL_DIR}
+    stream.reset_clients()

@@ -37,11 +37,11 @@ class ProjectStatus(models.TextChoices):
 
 # What each role may do in its organization. One table, read by the API and the console.
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
-    Role.OWNER: frozenset({"read", "keys.write", "projects.write", "members.write",
-                           "org.write", "owners.write", "billing.read"}),
-    Role.ADMIN: frozenset({"read", "keys.write", "projects.write", "members.write",
-                           "org.write", "billing.read"}),
-    Role.DEVELOPER: frozenset({"read", "keys.write"}),
+    Role.OWNER: frozenset({"read", "keys.write", "batches.write", "projects.write",
+                           "members.write", "org.write", "owners.write", "billing.read"}),
+    Role.ADMIN: frozenset({"read", "keys.write", "batches.write", "projects.write",
+                           "members.write", "org.write", "billing.read"}),
+    Role.DEVELOPER: frozenset({"read", "keys.write", "batches.write"}),
     Role.FINANCE: frozenset({"read", "billing.read"}),
     Role.VIEWER: frozenset({"read"}),
 }

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -84,21 +83,6 @@ def stop_gateway(gateway: LiveGateway) -> None:
 
 
 GATEWAY_MODELS = ("small", "big-us-only", "slow", "doomed")
-
-
-@pytest.fixture
-def metering_stream(settings, tmp_path) -> Iterator[dict[str, str]]:
-    """A private usage stream and spool for this test; returns the env for child processes."""
-    from metering import stream
-
-    settings.METERING_STREAM_KEY = f"tg:usage:test:{uuid.uuid4().hex[:10]}"
-    settings.METERING_SPOOL_DIR = str(tmp_path / "spool")
-    settings.METERING_REDIS_URL = settings.REDIS_URL
-    stream.reset_clients()
-    yield {"TOLLGATE_USAGE_STREAM": settings.METERING_STREAM_KEY,
-           "TOLLGATE_USAGE_REDIS_URL": settings.REDIS_URL,
-           "TOLLGATE_SPOOL_DIR": settings.METERING_SPOOL_DIR}
-    stream.reset_clients()
 
 
 def drain_usage() -> None:

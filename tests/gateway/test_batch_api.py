@@ -356,11 +356,13 @@ def test_host_cpu_counts_what_others_kept_busy(tmp_path):
 
     write(user=1000, idle=1000)
     host = HostCpu(str(stat))
-    # when others kept 3 of 4 CPU-seconds busy since the first reading
+    # a window shorter than a few clock ticks says nothing yet
     write(user=1000 + 3 * hz, idle=1000 + hz)
+    assert host.busy() is None
+    # when others kept 3 of 4 CPU-seconds busy since the first reading
+    time.sleep(HostCpu.MIN_WINDOW_S)
     # then the host was 75 % busy (less the little this process used meanwhile)
     assert host.busy() == pytest.approx(0.75, abs=0.02)
-    # and a reading with no time passed, or an unreadable file, says nothing
-    assert host.busy() is None
+    # and an unreadable file says nothing
     stat.unlink()
     assert host.busy() is None

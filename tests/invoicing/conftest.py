@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 # the live gateway (uvicorn in front of simulated engines) of the gateway tests
-from tests.gateway.conftest import live_gateway, metering_stream  # noqa: F401
+from tests.gateway.conftest import live_gateway  # noqa: F401
 
 OCT = datetime(2026, 10, 1, tzinfo=UTC)
 NOV = datetime(2026, 11, 1, tzinfo=UTC)

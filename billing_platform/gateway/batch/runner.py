@@ -202,12 +202,14 @@ class HostCpu:
     itself. Reads /proc/stat (Linux): elsewhere, and on a first reading, ``busy`` is None.
     """
 
+    MIN_WINDOW_S = 0.1  # a shorter window is a few clock ticks: it says nothing
+
     def __init__(self, path: str = "/proc/stat") -> None:
         self.path = path
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.last = self._read()
 
-    def _read(self) -> tuple[int, int, float] | None:
+    def _read(self) -> tuple[float, int, int, float] | None:
         try:
             with open(self.path, "rb") as f:
                 ticks = [int(x) for x in f.readline().split()[1:9]]
@@ -215,16 +217,27 @@ class HostCpu:
             return None
         own = os.times()
         # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
-        return sum(ticks), ticks[3] + ticks[4], own.user + own.system
+        return time.monotonic(), sum(ticks), ticks[3] + ticks[4], own.user + own.system
+
+    async def abusy(self) -> float | None:
+        """Return ``busy()`` once the window is long enough to say something (a slice's
+        first probe waits out the rest of MIN_WINDOW_S rather than start lines blind)."""
+        if self.last is not None:
+            await asyncio.sleep(self.last[0] + self.MIN_WINDOW_S - time.monotonic())
+        return self.busy()
 
     def busy(self) -> float | None:
-        """Return the share of all CPUs others kept busy since the last call (0..1)."""
+        """Return the share of all CPUs others kept busy since the last answer (0..1), or
+        None: no /proc/stat, or a window too short to say (it then goes on)."""
         now, last = self._read(), self.last
-        self.last = now
-        if now is None or last is None or now[0] <= last[0]:
+        if now is None or last is None:
+            self.last = now
             return None
-        cpu_s = (now[0] - last[0]) / self.hz
-        others = ((now[0] - last[0]) - (now[1] - last[1])) / self.hz - (now[2] - last[2])
+        if now[0] - last[0] < self.MIN_WINDOW_S or now[1] <= last[1]:
+            return None  # the window goes on
+        self.last = now
+        cpu_s = (now[1] - last[1]) / self.hz
+        others = ((now[1] - last[1]) - (now[2] - last[2])) / self.hz - (now[3] - last[3])
         return min(1.0, max(0.0, others / cpu_s))
 
 
@@ -335,7 +348,7 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
     why = "slice"
     next_beat = next_probe = 0.0
     share = 0  # how many lines may be in flight, as of the last probe
-    host = HostCpu()
+    host, ceiling = HostCpu(), settings.BATCH_HOST_CPU_CEILING
     held = probes = 0
     try:
         while time.monotonic() < deadline and lines.stop is None:
@@ -347,14 +360,15 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
             if time.monotonic() >= next_probe:
                 # lines just started may not have reached their engine: let them be counted
                 await asyncio.sleep(lines.started_at + SEND_GRACE_S - time.monotonic())
-                await fleet.arefresh_if_stale()
-                loads = await fleet.client.aloads(_healthy(fleet, batch.model, regions))
-                share = low_priority_share(loads.values(), ours=len(lines.flying),
-                                           fraction=settings.BATCH_MAX_RUNNING_FRACTION)
-                busy = host.busy()
                 probes += 1
-                if busy is not None and busy >= settings.BATCH_HOST_CPU_CEILING:
+                if ceiling < 1.0 and (busy := await host.abusy()) is not None and (
+                        busy >= ceiling):
                     share, held = 0, held + 1  # the host's CPU has no trough to fill
+                else:
+                    await fleet.arefresh_if_stale()
+                    loads = await fleet.client.aloads(_healthy(fleet, batch.model, regions))
+                    share = low_priority_share(loads.values(), ours=len(lines.flying),
+                                               fraction=settings.BATCH_MAX_RUNNING_FRACTION)
                 next_probe = time.monotonic() + PROBE_EVERY_S
             await lines.start(share - len(lines.flying))
             if lines.drained and not lines.waiting and not lines.flying:
