@@ -477,6 +477,7 @@ class _OpenAIRenderer:
         }
         self.chat = chat
         self.sent_role = False
+        self._token_frame: list[bytes] | None = None  # a token's frame, around its text
 
     def _choice(self, text: str | None, finish: str | None, matched: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
@@ -496,6 +497,14 @@ class _OpenAIRenderer:
     def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
         """Return the SSE frames for a token (``event="token"``) or the end (``"end"``)."""
         usage = _usage(self.req) if self.continuous_usage else None
+        if event == "token" and usage is None and (self.sent_role or not self.chat):
+            # every later token's frame is the same but for its text: render it once
+            if self._token_frame is None:
+                frame = _sse({**self.base, "choices": [self._choice("\0", None, None)],
+                              "usage": None})
+                self._token_frame = frame.split(b'"\\u0000"')
+            head, tail = self._token_frame
+            return [head + json.dumps(text).encode() + tail]
         if event == "token":
             return [_sse({**self.base, "choices": [self._choice(text, None, None)],
                           "usage": usage})]
@@ -661,13 +670,36 @@ def _route_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable
     return wrapped
 
 
+class _SimApp(Starlette):
+    """Starlette, with the generation routes called directly.
+
+    Starlette's router and its two middlewares wrap every ``send``, and a streamed token is
+    one ``send``: that was most of what a token cost the simulator's event loop, which
+    benchmarks share with the gateway they measure. The other routes go through Starlette.
+    """
+
+    def __init__(self, routes: list[Route], generation: dict[str, Callable[..., Any]]) -> None:
+        super().__init__(routes=routes)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = (self.generation.get(scope["path"])
+                   if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if handler is None:
+            await super().__call__(scope, receive, send)
+            return
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
+
+
 def create_app(config: SimConfig) -> Starlette:
     """Build the simulator's ASGI application."""
     server = SimServer(config)
+    generation = {"/v1/chat/completions": _route_errors(server.chat_completions),
+                  "/v1/completions": _route_errors(server.completions),
+                  "/generate": _route_errors(server.generate)}
     routes = [
-        Route("/v1/chat/completions", _route_errors(server.chat_completions), methods=["POST"]),
-        Route("/v1/completions", _route_errors(server.completions), methods=["POST"]),
-        Route("/generate", _route_errors(server.generate), methods=["POST"]),
+        *(Route(path, handler, methods=["POST"]) for path, handler in generation.items()),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/health_generate", server.health_generate, methods=["GET"]),
@@ -680,6 +712,6 @@ def create_app(config: SimConfig) -> Starlette:
         Route("/sim/faults", _route_errors(server.faults), methods=["GET", "POST"]),
         Route("/sim/stats", server.stats, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    app = _SimApp(routes, generation)
     app.state.sim = server
     return app

@@ -11,6 +11,7 @@ finished requests insert prompt and output so later requests with the same prefi
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import itertools
 import os
@@ -34,7 +35,11 @@ CRASH_EXIT_CODE = 17
 
 @dataclass
 class Histogram:
-    """A Prometheus histogram kept by hand, so the simulator needs no metrics library."""
+    """A Prometheus histogram kept by hand, so the simulator needs no metrics library.
+
+    ``counts[i]`` holds the observations in bucket ``i`` alone (one increment per
+    observation: ITL is observed per token); ``cumulative()`` gives Prometheus' ``le`` counts.
+    """
 
     buckets: tuple[float, ...] = LATENCY_BUCKETS
     counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
@@ -45,9 +50,13 @@ class Histogram:
         """Record one observation."""
         self.total += value
         self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
+        i = bisect.bisect_left(self.buckets, value)  # the first bound >= value
+        if i < len(self.counts):
+            self.counts[i] += 1
+
+    def cumulative(self) -> list[int]:
+        """Return the count of observations <= each bound."""
+        return list(itertools.accumulate(self.counts))
 
 
 @dataclass

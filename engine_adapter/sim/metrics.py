@@ -20,7 +20,7 @@ def _histogram(lines: list[str], name: str, doc: str, hist: Histogram, model: st
     lines.append(f"# HELP {name} {doc}")
     lines.append(f"# TYPE {name} histogram")
     lines.append(f"{name}_sum{_labels(model)} {hist.total}")
-    for bound, count in zip(hist.buckets, hist.counts, strict=True):
+    for bound, count in zip(hist.buckets, hist.cumulative(), strict=True):
         labels = _labels(model, 'le="' + str(bound) + '",')
         lines.append(f"{name}_bucket{labels} {float(count)}")
     labels = _labels(model, 'le="+Inf",')
