@@ -497,14 +497,17 @@ class _OpenAIRenderer:
     def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
         """Return the SSE frames for a token (``event="token"``) or the end (``"end"``)."""
         usage = _usage(self.req) if self.continuous_usage else None
-        if event == "token" and usage is None and (self.sent_role or not self.chat):
-            # every later token's frame is the same but for its text: render it once
+        if event == "token" and (self.sent_role or not self.chat):
+            # every later token's frame is the same but for its text and usage: render the
+            # rest once
             if self._token_frame is None:
                 frame = _sse({**self.base, "choices": [self._choice("\0", None, None)],
-                              "usage": None})
-                self._token_frame = frame.split(b'"\\u0000"')
-            head, tail = self._token_frame
-            return [head + json.dumps(text).encode() + tail]
+                              "usage": "\1"})
+                head, rest = frame.split(b'"\\u0000"')
+                self._token_frame = [head, *rest.split(b'"\\u0001"')]
+            head, mid, tail = self._token_frame
+            return [b"".join((head, json.dumps(text).encode(), mid,
+                              json.dumps(usage, separators=(",", ":")).encode(), tail))]
         if event == "token":
             return [_sse({**self.base, "choices": [self._choice(text, None, None)],
                           "usage": usage})]
