@@ -55,11 +55,13 @@ FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
 # Batch lines start only while an engine's running requests (its interactive ones included)
-# stay below this share of its slots; interactive traffic keeps the rest. 1/8: on the 2-core
-# bench, where engines, gateway and batch worker share the CPU, 1/4 cost interactive TTFT
-# 10-20 % (bench/batch_interference.py); raise it where engines run on their own GPUs.
+# stay below this share of its slots; interactive traffic keeps the rest. 1/16: on the 2-core
+# bench, where engines, gateway and batch worker share the CPU, 1/8 cost interactive TTFT p99
+# about 10 % (16,000 requests: ratio 1.10, 90 % interval 1.06-1.16) and 1/16 nothing
+# measurable (0.98, 0.95-1.02) (bench/batch_interference.py); raise it where engines run on
+# their own GPUs.
 BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION",
-                                              default=0.125)
+                                              default=0.0625)
 # Batch lines start only while the batch worker's host was less busy than this share of its
 # CPUs (the worker's own use not counted) over the last probe: where gateway, engines and batch
 # worker share a machine, the CPU is part of the spare capacity batch may use. 1.0 turns the
