@@ -263,6 +263,17 @@ def test_worker_killed_mid_batch_leaves_one_result_and_one_event_per_line(
             sim.stop()
 
 
+def _start_under_a_worker(stack: BatchStack, celery_worker_process, *, lines: int):
+    """Start a batch of ``lines`` short requests with a real worker on the batch queue."""
+    client = stack.client()
+    file_id = upload(client, [request_line(i, max_tokens=2) for i in range(lines)])
+    celery_worker_process(queues="batch", beat=True, env=stack.env)
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_status(client, batch.id, ("in_progress", "failed"))
+    return client, batch
+
+
 def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         transactional_db, tmp_path, settings, metering_stream, celery_worker_process):
     import threading
@@ -284,12 +295,7 @@ def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         threads = [threading.Thread(target=hammer, daemon=True) for _ in range(6)]
         for thread in threads:
             thread.start()
-        client = stack.client()
-        file_id = upload(client, [request_line(i, max_tokens=2) for i in range(20)])
-        celery_worker_process(queues="batch", beat=True, env=stack.env)
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        wait_status(client, batch.id, ("in_progress", "failed"))
+        client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20)
 
         # when the worker has been looking for capacity for a while
         time.sleep(3)
@@ -318,12 +324,7 @@ def test_a_host_with_busy_cpus_gets_no_batch_line_until_they_are_free(
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(os.cpu_count() or 1)]
     try:
-        client = stack.client()
-        file_id = upload(client, [request_line(i, max_tokens=2) for i in range(20)])
-        celery_worker_process(queues="batch", beat=True, env=stack.env)
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        wait_status(client, batch.id, ("in_progress", "failed"))
+        client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20)
         wait_until(lambda: Batch.objects.get(public_id=batch.id).heartbeat_at, timeout=30,
                    what="the batch runner to start")
 
