@@ -20,7 +20,7 @@ from plans import admission, quotas
 from plans.models import BudgetAlert, QuotaAuditEvent
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
-from tests.gateway.conftest import drain_usage, live_gateway, metering_stream  # noqa: F401
+from tests.gateway.conftest import drain_usage, live_gateway  # noqa: F401
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_an_exhausted_hard_project_budget_suspends_its_keys_and_raising_it_reins
 
 
 def test_the_beat_sweep_in_a_real_worker_alerts_and_suspends(
-        celery_worker_process, metering_stream, mailoutbox):  # noqa: F811
+        celery_worker_process, metering_stream, mailoutbox):
     # given a hard budget already exceeded by usage recorded in PostgreSQL
     from datetime import UTC, datetime
 
