@@ -8,6 +8,10 @@ so that drift in the machine's other load falls on both alike.
 
     .venv/bin/python bench/batch_interference.py [--requests 4000] [--concurrency 4]
 
+Each ratio comes with a 90 % bootstrap interval (``ttft_ratio_90pct_interval``): at 4,000
+requests the p99 ratio's is about +-8 %, so judge the goal on ``--requests 16000 --rounds 160``
+(about 10 minutes), whose interval is about +-4 %.
+
 Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or the embedded servers started by
 ``./tollgate services``). The Celery batch worker runs at the CPU priority ``./tollgate up`` gives
 it (``devstack.background_priority``: SCHED_IDLE on Linux, in a session group of nice 19), as
