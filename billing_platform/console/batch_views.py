@@ -53,10 +53,8 @@ def batch_cancel(request: HttpRequest, access: OrgAccess, batch_id: str) -> Http
 def batch_file(request: HttpRequest, access: OrgAccess, file_id: str) -> FileResponse:
     try:
         file = files.file_get(org_id=access.organization.pk, file_id=file_id)
+        content = files.file_open(file)
     except GatewayError as exc:
         raise Http404(exc.message) from exc
-    path = files.file_path(file)
-    if not path.exists():
-        raise Http404(f"The content of file {file_id} is no longer available.")
-    return FileResponse(open(path, "rb"), as_attachment=True,
-                        filename=file.filename, content_type="application/jsonl")
+    return FileResponse(content, as_attachment=True, filename=file.filename,
+                        content_type="application/jsonl")

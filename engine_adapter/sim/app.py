@@ -477,7 +477,7 @@ class _OpenAIRenderer:
         }
         self.chat = chat
         self.sent_role = False
-        self._token_frame: list[bytes] | None = None  # a token's frame, around its text
+        self._token_frame: list[bytes] | None = None  # a token's frame less text, usage
 
     def _choice(self, text: str | None, finish: str | None, matched: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}

@@ -99,10 +99,7 @@ async def file_detail(request: HttpRequest, principal: KeyPrincipal, request_id:
 async def file_content(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                        file_id: str) -> HttpResponse:
     file = await sync_to_async(files.file_get)(org_id=principal.org_id, file_id=file_id)
-    path = files.file_path(file)
-    if not path.exists():
-        raise invalid(f"The content of file {file_id} is no longer available.", param="id")
-    response = FileResponse(open(path, "rb"), content_type="application/jsonl")  # noqa: SIM115
+    response = FileResponse(files.file_open(file), content_type="application/jsonl")
     response["x-request-id"] = request_id
     return response
 

@@ -25,6 +25,15 @@ def file_path(file: StoredFile) -> Path:
     return Path(settings.FILES_DIR) / file.storage_path
 
 
+def file_open(file: StoredFile) -> IO[bytes]:
+    """Open a file's content for reading; a 400 GatewayError if it is gone from storage."""
+    try:
+        return open(file_path(file), "rb")  # the caller's response closes it
+    except FileNotFoundError:
+        raise invalid(f"The content of file {file.public_id} is no longer available.",
+                      param="id") from None
+
+
 def _new_path(org_public_id: str, file_id: str) -> tuple[str, Path]:
     rel = f"{org_public_id}/{file_id}.jsonl"
     path = Path(settings.FILES_DIR) / rel
