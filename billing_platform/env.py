@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = BASE_DIR / ".tollgate"
@@ -28,13 +29,26 @@ DATABASE_URL: str = env.str(
 )
 REDIS_URL: str = env.str("REDIS_URL", default=f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
+
+def _secret(name: str, *, dev_default: str) -> str:
+    """Return a secret; in production it must be set and not blank (refuse to start)."""
+    value = env.str(name, default="")
+    if PRODUCTION and not value.strip():
+        raise ImproperlyConfigured(
+            f"TOLLGATE_ENV=production requires {name} to be set (it is unset or empty); "
+            f"refusing to start.")
+    return value or dev_default
+
+
 _DEV_SECRET = "dev-insecure-secret-key-change-me-in-production-0123456789"  # noqa: S105
-SECRET_KEY: str = env.str("SECRET_KEY") if PRODUCTION else env.str("SECRET_KEY", _DEV_SECRET)
+SECRET_KEY: str = _secret("SECRET_KEY", dev_default=_DEV_SECRET)
 DEBUG: bool = env.bool("DEBUG", default=not PRODUCTION)
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["*"] if not PRODUCTION else [])
 
 STRIPE_API_KEY: str = env.str("STRIPE_API_KEY", default="")
-STRIPE_WEBHOOK_SECRET: str = env.str("STRIPE_WEBHOOK_SECRET", default="")
+# Unset outside production: the webhook endpoint accepts nothing (and says what to set), since a
+# signature checked against an empty secret proves nothing.
+STRIPE_WEBHOOK_SECRET: str = _secret("STRIPE_WEBHOOK_SECRET", dev_default="")
 
 EMAIL_URL: str = env.str("EMAIL_URL", default="consolemail://")
 DEFAULT_FROM_EMAIL: str = env.str("DEFAULT_FROM_EMAIL", default="Tollgate <billing@tollgate.local>")

@@ -7,7 +7,9 @@ key, and Stripe answers with the first result instead of charging again. This wr
 that behaviour as Stripe documents it: per key (and API key), the first result of a request
 that ran (2xx, or 402 for a declined card) is saved and replayed with
 ``Idempotent-Replayed: true``; the same key with other parameters is a 400
-``idempotency_error``; requests with one key run one at a time. Nothing else changes.
+``idempotency_error``; requests with one key run one at a time. It also gives PaymentIntents
+Stripe's ``amount_received`` (the amount once succeeded, else 0), which localstripe leaves
+out and the platform pays by. Nothing else changes.
 
     python tests/stripe_standin.py --port 8420 --from-scratch
 """
@@ -18,7 +20,7 @@ import asyncio
 import hashlib
 
 from aiohttp import web
-from localstripe import server
+from localstripe import resources, server
 
 _saved: dict[tuple[str, str], tuple[str, int, bytes, str]] = {}
 _locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -51,6 +53,11 @@ async def idempotency_middleware(request: web.Request, handler) -> web.StreamRes
         return response
 
 
+def _amount_received(intent: resources.PaymentIntent) -> int:
+    return intent.amount if intent.status == "succeeded" else 0
+
+
 if __name__ == "__main__":
+    resources.PaymentIntent.amount_received = property(_amount_received)
     server.app.middlewares.insert(0, idempotency_middleware)
     server.start()

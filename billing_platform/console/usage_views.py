@@ -4,7 +4,6 @@ export. Amounts are shown rounded to the currency's minor unit; the exact sums s
 
 from __future__ import annotations
 
-import csv
 from datetime import UTC, datetime, timedelta
 
 from django.http import HttpRequest, HttpResponse
@@ -12,6 +11,7 @@ from django.shortcuts import render
 
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console.views import org_page
+from billing_platform.csv_export import csv_writer
 from billing_platform.invoicing.money import quantize_money
 from metering.selectors import UsageFilter, usage_summary
 
@@ -31,7 +31,7 @@ def usage(request: HttpRequest, access: OrgAccess) -> HttpResponse:
     if request.GET.get("format") == "csv":
         response = HttpResponse(content_type="text/csv")
         response["Content-Disposition"] = f'attachment; filename="usage-{start:%Y-%m}.csv"'
-        writer = csv.writer(response)
+        writer = csv_writer(response)
         writer.writerow(["day", "model", "requests", "prompt_tokens", "cached_tokens",
                          "completion_tokens", "amount", "currency"])
         for r in rows:

@@ -52,8 +52,8 @@ class PaymentAttemptAdmin(ReadOnly):
 
 @admin.register(StripeEvent)
 class StripeEventAdmin(ReadOnly):
-    list_display = ("stripe_id", "type", "verified", "outcome", "received_at")
-    list_filter = ("verified", "type")
+    list_display = ("stripe_id", "type", "verified", "needs_review", "outcome", "received_at")
+    list_filter = ("needs_review", "verified", "type")
 
 
 @admin.register(BillingAccount)

@@ -150,12 +150,15 @@ class UpcomingInvoiceApi(APIView):
 
 @csrf_exempt
 def stripe_webhook(request) -> HttpResponse:
-    """Receive a Stripe webhook: raw body stored, signature verified, applied once."""
+    """Receive a Stripe webhook: signature verified, then stored and applied once."""
     if request.method != "POST":
         return HttpResponse(status=405)
+    # Read at most one byte past the limit, so an oversized body is refused without being
+    # held whole (the service says how large a body may be).
+    payload = request.read(services.STRIPE_WEBHOOK_MAX_BYTES + 1)
     try:
         event = services.stripe_webhook_receive(
-            payload=request.body, signature=request.headers.get("Stripe-Signature", ""))
+            payload=payload, signature=request.headers.get("Stripe-Signature", ""))
     except DomainError as exc:
-        return HttpResponse(exc.message, status=400, content_type="text/plain")
+        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
     return HttpResponse(event.outcome or "ok", content_type="text/plain")

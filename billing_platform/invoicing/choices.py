@@ -31,6 +31,9 @@ class PaymentStatus(models.TextChoices):
     PENDING = "pending", "Pending"
     SUCCEEDED = "succeeded", "Succeeded"
     FAILED = "failed", "Failed"
+    # Stripe reports money that does not settle the invoice as charged (a different amount or
+    # currency): nothing is booked and no further charge is made until finance decides.
+    NEEDS_REVIEW = "needs_review", "Needs review"
 
 
 # Lines that are charges (the subtotal tax is computed on).

@@ -217,16 +217,25 @@ class PaymentAttempt(models.Model):
 
 
 class StripeEvent(models.Model):
-    """A webhook delivery as received (raw body first), then verified and processed once."""
+    """A webhook delivery: verified first, then stored with its raw body and processed once.
+
+    A delivery whose signature does not verify is recorded without its body (``payload`` empty,
+    ``payload_bytes`` its size): nothing an unauthenticated sender writes is kept. An event
+    that verified but does not settle what it claims (a PaymentIntent this platform did not
+    create for the invoice, an amount that is not the amount due) is ``needs_review``: left for
+    finance, with the reason in ``outcome``.
+    """
 
     stripe_id = models.CharField(max_length=100, null=True, blank=True, unique=True)
     type = models.CharField(max_length=100, blank=True, default="")
-    payload = models.TextField()
+    payload = models.TextField(blank=True, default="")
+    payload_bytes = models.PositiveIntegerField(default=0)
     signature = models.CharField(max_length=500, blank=True, default="")
     verified = models.BooleanField(default=False)
     received_at = models.DateTimeField(default=timezone.now)
     processed_at = models.DateTimeField(null=True, blank=True)
-    outcome = models.CharField(max_length=200, blank=True, default="")
+    outcome = models.CharField(max_length=300, blank=True, default="")
+    needs_review = models.BooleanField(default=False, db_index=True)
 
     def __str__(self) -> str:
         return f"{self.stripe_id or 'unverified'} {self.type}"

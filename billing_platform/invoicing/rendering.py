@@ -6,7 +6,6 @@ show different numbers.
 
 from __future__ import annotations
 
-import csv
 import io
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +15,7 @@ from typing import Any
 from django.template.loader import render_to_string
 
 from billing_platform.accounts.models import Organization
+from billing_platform.csv_export import csv_writer
 from billing_platform.invoicing.builder import DraftInvoice
 from billing_platform.invoicing.choices import InvoiceKind
 from billing_platform.invoicing.models import Invoice
@@ -98,8 +98,8 @@ def invoice_pdf(invoice: Invoice | DraftInvoice, organization: Organization) -> 
 
 
 def invoice_csv(invoice: Invoice | DraftInvoice) -> str:
-    """Return the invoice's lines as CSV (header first)."""
+    """Return the invoice's lines as CSV (header first; no cell a spreadsheet runs)."""
     buf = io.StringIO()
-    writer = csv.writer(buf)
+    writer = csv_writer(buf)
     writer.writerows(invoice_csv_rows(invoice))
     return buf.getvalue()

@@ -22,8 +22,13 @@ def invoices_of(*, organization: Organization) -> QuerySet[Invoice]:
 
 
 def invoice_get(*, organization: Organization, public_id: str) -> Invoice | None:
-    """Return one invoice of the organization with its lines (None when it is not theirs)."""
-    return (Invoice.objects.filter(organization=organization, public_id=public_id)
+    """Return one finalized invoice of the organization with its lines.
+
+    None when it is not theirs or still a draft: a stored draft (a correction being prepared,
+    a credit note being issued) is not a document yet, and its numbers may still change. The
+    current period's draft is shown through ``upcoming_invoice`` instead.
+    """
+    return (invoices_of(organization=organization).filter(public_id=public_id)
             .prefetch_related("lines").first())
 
 

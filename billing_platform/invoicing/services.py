@@ -15,8 +15,11 @@ invoice's row lock before Stripe is called (no lock is held across the call); a 
 twice finds the attempt and does not charge again, and an attempt whose answer was lost is
 sent again with its key, so Stripe replays the first result. The invoice becomes
 ``paid`` when Stripe says so (a verified webhook, or ``payments_sync`` reading the
-PaymentIntent). A declined charge starts dunning: retries after ``INVOICING_DUNNING_DAYS``, an
-email each time, then ``uncollectible`` and the organization suspended until it pays.
+PaymentIntent), and only for a PaymentIntent found by the id recorded on our attempt that
+received exactly the amount due; any other payment is left for finance (``needs_review``, an
+audit row). A webhook is refused outright while ``STRIPE_WEBHOOK_SECRET`` is unset. A
+declined charge starts dunning: retries after ``INVOICING_DUNNING_DAYS``, an email each time,
+then ``uncollectible`` and the organization suspended until it pays.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from django.utils import timezone
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
 from billing_platform.accounts.services import organization_update
-from billing_platform.errors import Conflict, InvalidRequest
+from billing_platform.audit.services import audit_record
+from billing_platform.errors import Conflict, DomainError, InvalidRequest
 from billing_platform.invoicing import stripe_client
 from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
@@ -420,12 +424,19 @@ def _reactivate_if_settled(organization: Organization) -> None:
         organization_update(organization=organization, status=OrgStatus.ACTIVE)
 
 
+def _invoice_state(invoice: Invoice) -> dict[str, str]:
+    """The audited view of an invoice's payment state (money as decimal strings)."""
+    return {"status": str(invoice.status), "amount_due": str(invoice.amount_due),
+            "amount_paid": str(invoice.amount_paid), "currency": invoice.currency}
+
+
 @transaction.atomic
-def invoice_void(*, invoice: Invoice, reason: str = "") -> Invoice:
+def invoice_void(*, invoice: Invoice, reason: str = "", acting_user) -> Invoice:
     """Void an unpaid finalized invoice; credits it used are granted back as a credit note."""
     invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
     if invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE):
         raise Conflict(f"A {invoice.status} invoice cannot be voided.", param="status")
+    before = _invoice_state(invoice)
     invoice.status = InvoiceStatus.VOID
     invoice.voided_at = timezone.now()
     invoice.next_payment_attempt_at = None
@@ -435,12 +446,17 @@ def invoice_void(*, invoice: Invoice, reason: str = "") -> Invoice:
         credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
                             amount=invoice.credits_applied, currency=invoice.currency,
                             note=f"Credits returned from void invoice {invoice.number}")
+    audit_record(acting_user=acting_user, organization=invoice.organization_id,
+                 action="invoice.void", target=invoice.public_id, before=before,
+                 after={**_invoice_state(invoice), "reason": invoice.memo,
+                        "credits_returned": str(invoice.credits_applied)})
     _reactivate_if_settled(invoice.organization)
     return invoice
 
 
 @transaction.atomic
-def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str) -> Invoice:
+def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str,
+                       acting_user) -> Invoice:
     """Issue a credit note against a finalized invoice; its amount becomes a credit grant."""
     invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
     if invoice.kind != InvoiceKind.INVOICE or invoice.status in (InvoiceStatus.DRAFT,
@@ -469,6 +485,10 @@ def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str) -> Inv
     credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
                         amount=amount, currency=invoice.currency,
                         note=f"Credit note {note.number} for {invoice.number}")
+    audit_record(acting_user=acting_user, organization=invoice.organization_id,
+                 action="credit_note.create", target=note.public_id,
+                 after={"number": note.number, "corrects": invoice.public_id,
+                        "amount": str(amount), "currency": note.currency, "reason": note.memo})
     return note
 
 
@@ -527,15 +547,20 @@ def _payment_failed(invoice: Invoice, attempt: PaymentAttempt, *, now: datetime)
             f"({amount}) is marked uncollectible and API access is suspended until it is paid.")
 
 
-def _payment_succeeded(invoice: Invoice, *, amount: Decimal, now: datetime) -> bool:
-    """Mark a (locked) invoice paid; return whether it changed."""
+def _payment_succeeded(invoice: Invoice, *, amount: Decimal, now: datetime, acting_user,
+                       action: str, details: dict[str, str]) -> bool:
+    """Mark a (locked) invoice paid and audit it; return whether it changed."""
     if invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE):
         return False
+    before = _invoice_state(invoice)
     invoice.status = InvoiceStatus.PAID
     invoice.amount_paid = amount
     invoice.paid_at = now
     invoice.next_payment_attempt_at = None
     invoice.save(update_fields=["status", "amount_paid", "paid_at", "next_payment_attempt_at"])
+    audit_record(acting_user=acting_user, organization=invoice.organization_id, action=action,
+                 target=invoice.public_id, before=before,
+                 after={**_invoice_state(invoice), **details})
     _reactivate_if_settled(invoice.organization)
     return True
 
@@ -641,29 +666,105 @@ def invoices_dunning_run(*, now: datetime | None = None) -> list[int]:
                 .order_by("next_payment_attempt_at").values_list("id", flat=True))
 
 
+def _money_minor_text(minor: object, currency: str) -> str:
+    if not isinstance(minor, int) or isinstance(minor, bool):
+        return f"{minor!r} (not an amount)"
+    return f"{Decimal(minor).scaleb(-minor_units(currency)):.{minor_units(currency)}f} {currency}"
+
+
+def _review(*, organization_id: int | None, target: str, reason: str,
+            details: dict[str, str]) -> str:
+    """Record a payment that settles nothing for finance (an audit row); return the outcome."""
+    audit_record(acting_user=None, organization=organization_id, action="payment.review",
+                 target=target, after={"reason": reason, **details})
+    log.warning("payment left for finance review: %s (%s)", reason, target)
+    return f"review: {reason}"[:300]
+
+
+def _unknown_payment_intent(intent: dict, *, pi_id: str) -> str:
+    """A PaymentIntent no charge attempt of ours recorded: believe nothing it says."""
+    if intent.get("status") != "succeeded":
+        return "ignored: not a payment this platform created"
+    metadata = intent.get("metadata") or {}
+    claimed, number = str(metadata.get("invoice_id") or ""), str(metadata.get("attempt") or "")
+    # The answer to our own charge can still be on its way here: an attempt is committed before
+    # Stripe is called and its PaymentIntent id recorded after the answer. Such an attempt is
+    # settled by payments_sync, which sends it again with its key and reads Stripe's answer; this
+    # event pays nothing either way.
+    if claimed.isdigit() and number.isdigit() and PaymentAttempt.objects.filter(
+            invoice_id=int(claimed), number=int(number), status=PaymentStatus.PENDING,
+            stripe_payment_intent_id="").exists():
+        return "deferred: the charge's answer is not recorded yet; payments_sync settles it"
+    return _review(
+        organization_id=None, target=pi_id[:80],
+        reason="a PaymentIntent this platform did not create"
+               + (f" claims invoice id {claimed[:40]}" if claimed else ""),
+        details={"payment_intent": pi_id, "claimed_invoice_id": claimed[:40],
+                 "amount_received": str(intent.get("amount_received")),
+                 "currency": str(intent.get("currency") or "")[:8]})
+
+
+def _payment_intent_succeeded(intent: dict, *, attempt: PaymentAttempt, invoice: Invoice,
+                              now: datetime) -> str:
+    """Pay the (locked) invoice if the PaymentIntent received exactly its amount due."""
+    if attempt.status == PaymentStatus.NEEDS_REVIEW:
+        return "no change: held for finance review"
+    if invoice.status == InvoiceStatus.PAID and attempt.status == PaymentStatus.SUCCEEDED:
+        return "no change"  # a replay, or the sync and the webhook both reporting it
+    received = intent.get("amount_received")
+    currency = str(intent.get("currency") or "").upper()
+    due = to_minor_units(invoice.amount_due, invoice.currency)
+    problem = ""
+    if currency != invoice.currency.upper():
+        problem = (f"received {currency or 'no currency'}, the invoice is in "
+                   f"{invoice.currency}")
+    elif received != due or isinstance(received, bool):
+        problem = (f"received {_money_minor_text(received, invoice.currency)} of "
+                   f"{_money_minor_text(due, invoice.currency)} due")
+    elif invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE,
+                                InvoiceStatus.PAID):
+        problem = f"received the amount due of a {invoice.status} invoice"
+    if problem:
+        attempt.status = PaymentStatus.NEEDS_REVIEW
+        attempt.failure_code = "amount_mismatch" if "due" in problem else "invoice_not_payable"
+        attempt.failure_message = problem[:500]
+        attempt.updated_at = now
+        attempt.save(update_fields=["status", "failure_code", "failure_message", "updated_at"])
+        return _review(organization_id=invoice.organization_id, target=invoice.public_id,
+                       reason=f"invoice {invoice.number}: {problem}",
+                       details={"payment_intent": attempt.stripe_payment_intent_id,
+                                "attempt": attempt.idempotency_key})
+    if attempt.status != PaymentStatus.SUCCEEDED:
+        attempt.status, attempt.updated_at = PaymentStatus.SUCCEEDED, now
+        attempt.save(update_fields=["status", "updated_at"])
+    paid = _payment_succeeded(
+        invoice, amount=invoice.amount_due, now=now, acting_user=None, action="invoice.pay",
+        details={"method": "stripe", "payment_intent": attempt.stripe_payment_intent_id})
+    return "paid" if paid else "no change"
+
+
 def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
-    """Apply a PaymentIntent's state (from a webhook or a sync) to our invoice; idempotent."""
-    pi_id = intent.get("id", "")
+    """Apply a PaymentIntent's state (from a verified webhook or a sync) to our invoice.
+
+    Only a PaymentIntent this platform created is believed: it is found by the id recorded on
+    our charge attempt, never by its metadata (whoever can create a PaymentIntent on the Stripe
+    account writes what metadata they like). It pays the invoice only when it received exactly
+    the amount due, in the invoice's currency. Anything else books nothing, marks the attempt
+    ``needs_review`` (no further charge is made) and returns ``review: <reason>``, with an
+    audit row, for finance. Idempotent.
+    """
+    pi_id = str(intent.get("id") or "")
     attempt = (PaymentAttempt.objects.select_for_update().filter(stripe_payment_intent_id=pi_id)
                .first() if pi_id else None)
-    invoice_id = attempt.invoice_id if attempt else (intent.get("metadata") or {}).get(
-        "invoice_id")
-    if not invoice_id:
-        return "ignored: not one of our invoices"
+    if attempt is None:
+        return _unknown_payment_intent(intent, pi_id=pi_id)
     invoice = (Invoice.objects.select_for_update().select_related("organization")
-               .filter(pk=invoice_id).first())
-    if invoice is None:
-        return "ignored: unknown invoice"
+               .get(pk=attempt.invoice_id))
     status = intent.get("status")
     if status == "succeeded":
-        received = Decimal(int(intent.get("amount_received") or intent.get("amount") or 0))
-        amount = received.scaleb(-minor_units(invoice.currency))
-        if attempt is not None and attempt.status != PaymentStatus.SUCCEEDED:
-            attempt.status, attempt.updated_at = PaymentStatus.SUCCEEDED, now
-            attempt.save(update_fields=["status", "updated_at"])
-        return "paid" if _payment_succeeded(invoice, amount=amount, now=now) else "no change"
+        return _payment_intent_succeeded(intent, attempt=attempt, invoice=invoice, now=now)
     if status in ("requires_payment_method", "canceled"):
-        if attempt is None or attempt.status == PaymentStatus.FAILED:
+        if attempt.status in (PaymentStatus.FAILED, PaymentStatus.NEEDS_REVIEW):
             return "no change"
         error = intent.get("last_payment_error") or {}
         attempt.status = PaymentStatus.FAILED
@@ -704,40 +805,75 @@ PAYMENT_INTENT_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.p
                                    "payment_intent.canceled"})
 
 
-def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
-    """Store a webhook's raw body, verify its signature, then apply it exactly once.
+# Stripe's events are a few kB (lists inside them are truncated); a body past this is refused
+# unread, before its signature is even computed.
+STRIPE_WEBHOOK_MAX_BYTES = 1024 * 1024
 
-    Raise ``InvalidRequest`` for a bad signature (nothing but the raw record changes).
+
+class WebhookNotConfigured(DomainError):
+    """The endpoint has no signing secret, so no delivery can be told from a forgery."""
+
+    code = "webhook_not_configured"
+    status = 503
+
+
+class PayloadTooLarge(DomainError):
+    code = "payload_too_large"
+    status = 413
+
+
+def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
+    """Verify a webhook's signature, then store its raw body and apply it exactly once.
+
+    Nothing the sender wrote is believed or stored before the signature verifies against
+    ``STRIPE_WEBHOOK_SECRET``. With no secret set nothing is accepted
+    (``WebhookNotConfigured``, naming the setting); a body over ``STRIPE_WEBHOOK_MAX_BYTES``
+    is refused unread (``PayloadTooLarge``); a bad signature is recorded by its size only
+    (``InvalidRequest``). A verified event that pays nothing it claims is ``needs_review``.
     """
-    raw = StripeEvent.objects.create(payload=payload.decode("utf-8", errors="replace"),
-                                     signature=signature[:500])
+    if not settings.STRIPE_WEBHOOK_SECRET.strip():
+        raise WebhookNotConfigured(
+            "Stripe webhooks are refused: STRIPE_WEBHOOK_SECRET is not set. Set it to this "
+            "endpoint's signing secret (whsec_...) from Stripe's webhook settings.",
+            param="STRIPE_WEBHOOK_SECRET")
+    if len(payload) > STRIPE_WEBHOOK_MAX_BYTES:
+        raise PayloadTooLarge(f"A Stripe webhook body is at most {STRIPE_WEBHOOK_MAX_BYTES} "
+                              "bytes.", param="body")
     try:
         event = stripe_client.webhook_event(payload, signature)
     except (stripe.SignatureVerificationError, ValueError) as exc:
-        raw.outcome = f"rejected: {type(exc).__name__}"[:200]
-        raw.save(update_fields=["outcome"])
+        StripeEvent.objects.create(payload="", payload_bytes=len(payload),
+                                   signature=signature[:500],
+                                   outcome=f"rejected: {type(exc).__name__}"[:300])
         raise InvalidRequest("Invalid Stripe signature.", param="Stripe-Signature") from exc
+    body = event.to_dict()
+    obj = (body.get("data") or {}).get("object") or {}
     now = timezone.now()
     with transaction.atomic():
-        raw = StripeEvent.objects.select_for_update().get(pk=raw.pk)
-        raw.verified, raw.type = True, event.type[:100]
+        raw = StripeEvent(stripe_id=body.get("id") or None, type=str(body.get("type") or "")[:100],
+                          payload=payload.decode("utf-8", errors="replace"),
+                          payload_bytes=len(payload), signature=signature[:500], verified=True,
+                          received_at=now)
         try:
-            with transaction.atomic():
-                raw.stripe_id = event.id
-                raw.save(update_fields=["verified", "type", "stripe_id"])
+            with transaction.atomic():  # waits for a concurrent delivery of the same event
+                raw.save()
         except IntegrityError:
             raw.stripe_id = None
             raw.outcome, raw.processed_at = "duplicate: already processed", now
-            raw.save(update_fields=["verified", "type", "outcome", "processed_at"])
+            raw.save()
             return raw
-        if event.type in PAYMENT_INTENT_EVENTS:
-            raw.outcome = _apply_payment_intent(event.data.object.to_dict(), now=now)
-        elif event.type == "customer.updated":
-            raw.outcome = _customer_updated(event.data.object.to_dict(), now=now)
+        if raw.stripe_id is None:
+            raw.outcome = "ignored: no event id"
+        elif raw.type in PAYMENT_INTENT_EVENTS:
+            raw.outcome = _apply_payment_intent(obj, now=now)
+        elif raw.type == "customer.updated":
+            raw.outcome = _customer_updated(obj, now=now)
         else:
             raw.outcome = "ignored: event type not handled"
+        raw.outcome = raw.outcome[:300]
+        raw.needs_review = raw.outcome.startswith("review:")
         raw.processed_at = now
-        raw.save(update_fields=["outcome", "processed_at"])
+        raw.save(update_fields=["outcome", "needs_review", "processed_at"])
     return raw
 
 
@@ -773,11 +909,12 @@ def payments_sync(*, older_than: timedelta = timedelta(minutes=30),
 
 @transaction.atomic
 def invoice_mark_paid(*, invoice: Invoice, amount: Decimal | None = None,
-                      now: datetime | None = None) -> Invoice:
+                      now: datetime | None = None, acting_user) -> Invoice:
     """Record a payment made outside Stripe (bank transfer) for an open/uncollectible invoice."""
     invoice = Invoice.objects.select_for_update().select_related("organization").get(
         pk=invoice.pk)
     if not _payment_succeeded(invoice, amount=invoice.amount_due if amount is None else amount,
-                              now=now or timezone.now()):
+                              now=now or timezone.now(), acting_user=acting_user,
+                              action="invoice.mark_paid", details={"method": "out_of_band"}):
         raise Conflict(f"A {invoice.status} invoice cannot be paid.", param="status")
     return invoice

@@ -266,7 +266,7 @@ def test_dunning_retries_emails_then_uncollectible_and_suspended(
 
     # paid out of band: the org is active again
     with django_capture_on_commit_callbacks(execute=True):
-        services.invoice_mark_paid(invoice=open_invoice)
+        services.invoice_mark_paid(invoice=open_invoice, acting_user=None)
     org.refresh_from_db()
     assert org.status == OrgStatus.ACTIVE
     assert api_key_authenticate(secret) is not None
