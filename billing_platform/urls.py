@@ -12,6 +12,7 @@ urlpatterns = [
     path("api/v1/", include("billing_platform.accounts.urls")),
     path("api/v1/", include("metering.urls")),
     path("api/v1/", include("plans.urls")),
+    path("api/v1/", include("billing_platform.audit.urls")),
     path("", include("billing_platform.invoicing.urls")),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

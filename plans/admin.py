@@ -1,4 +1,5 @@
 """Django admin for staff: the catalog, what customers hold, and (read-only) token-plan state.
+Every change made here writes an audit row (``AuditedModelAdmin``).
 
 A price version that has taken effect is read-only here: events were rated with it, so a
 change goes into a new version (API ``POST /api/v1/price_books/<code>/versions/``, which copies
@@ -13,6 +14,7 @@ from django.contrib import admin
 from django.http import HttpRequest
 from django.utils import timezone
 
+from billing_platform.audit.admin import AuditedModelAdmin
 from plans.choices import ReservationTerm
 from plans.models import (
     Budget,
@@ -29,7 +31,6 @@ from plans.models import (
     PriceMultiplier,
     PriceVersion,
     ProvisionedOffering,
-    QuotaAuditEvent,
     QuotaLimit,
     Reservation,
     Subscription,
@@ -65,7 +66,7 @@ class PriceVersionInline(admin.TabularInline):
 
 
 @admin.register(PriceBook)
-class PriceBookAdmin(admin.ModelAdmin):
+class PriceBookAdmin(AuditedModelAdmin):
     list_display = ["code", "name", "currency", "is_default"]
     list_filter = ["currency", "is_default"]
     inlines = [PriceVersionInline]
@@ -83,7 +84,7 @@ class PriceMultiplierInline(_FrozenWhenInForce, admin.TabularInline):
 
 
 @admin.register(PriceVersion)
-class PriceVersionAdmin(admin.ModelAdmin):
+class PriceVersionAdmin(AuditedModelAdmin):
     list_display = ["price_book", "effective_from", "note", "created_at"]
     list_filter = ["price_book"]
     inlines = [ModelPriceInline, PriceMultiplierInline]
@@ -107,7 +108,7 @@ class ContextBandInline(admin.TabularInline):
 
 
 @admin.register(ModelPrice)
-class ModelPriceAdmin(admin.ModelAdmin):
+class ModelPriceAdmin(AuditedModelAdmin):
     list_display = ["model", "version", "input", "cached_input", "output", "cache_write"]
     list_filter = ["version__price_book"]
     search_fields = ["model"]
@@ -130,7 +131,7 @@ class CreditPackInline(admin.TabularInline):
 
 
 @admin.register(Plan)
-class PlanAdmin(admin.ModelAdmin):
+class PlanAdmin(AuditedModelAdmin):
     list_display = ["code", "name", "kind", "currency", "monthly_fee", "credits_per_period",
                     "window_credits", "cap_policy", "is_public", "is_active"]
     list_filter = ["kind", "is_active"]
@@ -144,7 +145,7 @@ class PackPurchaseInline(admin.TabularInline):
 
 
 @admin.register(Subscription)
-class SubscriptionAdmin(admin.ModelAdmin):
+class SubscriptionAdmin(AuditedModelAdmin):
     list_display = ["public_id", "organization", "plan", "starts_at", "ends_at", "data_zone"]
     list_filter = ["plan"]
     search_fields = ["public_id", "organization__name", "organization__public_id"]
@@ -179,13 +180,13 @@ class TokenPlanUsageAdmin(_ReadOnly):
 
 
 @admin.register(ProvisionedOffering)
-class ProvisionedOfferingAdmin(admin.ModelAdmin):
+class ProvisionedOfferingAdmin(AuditedModelAdmin):
     list_display = ["code", "model", "region", "tokens_per_minute_per_unit", "output_burndown",
                     "hourly_unit_price", "monthly_unit_price", "currency", "is_active"]
 
 
 @admin.register(Reservation)
-class ReservationAdmin(admin.ModelAdmin):
+class ReservationAdmin(AuditedModelAdmin):
     list_display = ["public_id", "organization", "model", "region", "units", "term",
                     "term_count", "overflow_policy", "starts_at", "ends_at"]
     list_filter = ["model", "region", "term"]
@@ -221,7 +222,7 @@ class GrantApplicationInline(admin.TabularInline):
 
 
 @admin.register(CreditGrant)
-class CreditGrantAdmin(admin.ModelAdmin):
+class CreditGrantAdmin(AuditedModelAdmin):
     list_display = ["public_id", "organization", "kind", "amount", "remaining", "currency",
                     "expires_at"]
     list_filter = ["kind", "currency"]
@@ -241,14 +242,14 @@ class CreditGrantAdmin(admin.ModelAdmin):
 
 
 @admin.register(QuotaLimit)
-class QuotaLimitAdmin(admin.ModelAdmin):
+class QuotaLimitAdmin(AuditedModelAdmin):
     list_display = ("organization", "project", "api_key", "usage_tier", "rpm", "tpm",
                     "allowed_regions")
     raw_id_fields = ("organization", "project", "api_key")
 
 
 @admin.register(Budget)
-class BudgetAdmin(admin.ModelAdmin):
+class BudgetAdmin(AuditedModelAdmin):
     list_display = ("public_id", "organization", "project", "amount", "currency", "hard",
                     "suspended_at")
     raw_id_fields = ("organization", "project")
@@ -259,15 +260,6 @@ class BudgetAdmin(admin.ModelAdmin):
 class BudgetAlertAdmin(admin.ModelAdmin):
     list_display = ("budget", "period_start", "threshold", "spend", "email_sent_at",
                     "webhook_status")
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-@admin.register(QuotaAuditEvent)
-class QuotaAuditEventAdmin(admin.ModelAdmin):
-    list_display = ("created_at", "organization", "action", "subject")
-    list_filter = ("action",)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

@@ -23,7 +23,9 @@ from billing_platform.accounts.apis import OrgScopedView
 from billing_platform.accounts.choices import Role
 from billing_platform.accounts.models import ApiKey, Organization
 from billing_platform.accounts.selectors import OrgAccess, org_access
+from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.errors import InvalidRequest, NotFound
+from billing_platform.idempotency.services import idempotent
 from plans import quotas, selectors, services
 from plans import serializers as s
 from plans.models import (
@@ -32,7 +34,6 @@ from plans.models import (
     Plan,
     PriceBook,
     PriceVersion,
-    QuotaAuditEvent,
     QuotaLimit,
     Reservation,
     Subscription,
@@ -93,7 +94,7 @@ class PriceBookListApi(StaffWriteView):
     def post(self, request: Request) -> Response:
         body = s.PriceBookSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        book = services.price_book_create(**body.validated_data)
+        book = services.price_book_create(acting_user=request.user, **body.validated_data)
         return Response(s.PriceBookSerializer(book).data, status=status.HTTP_201_CREATED)
 
 
@@ -130,7 +131,8 @@ class PriceVersionListApi(PriceBookDetailApi):
         body = s.PriceVersionCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         book = self.book(code)
-        version = services.price_version_create(price_book=book, **body.validated_data)
+        version = services.price_version_create(
+            acting_user=request.user, price_book=book, **body.validated_data)
         return Response(s.PriceVersionSerializer(_versions(book).get(pk=version.pk)).data,
                         status=status.HTTP_201_CREATED)
 
@@ -154,7 +156,7 @@ class PlanListApi(StaffWriteView):
     def post(self, request: Request) -> Response:
         body = s.PlanSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        plan = services.plan_create(**body.validated_data)
+        plan = services.plan_create(acting_user=request.user, **body.validated_data)
         return Response(s.PlanSerializer(plan).data, status=status.HTTP_201_CREATED)
 
 
@@ -170,7 +172,8 @@ class PlanDetailApi(StaffWriteView):
     def patch(self, request: Request, code: str) -> Response:
         body = s.PlanUpdateSerializer(data=request.data, partial=True)
         body.is_valid(raise_exception=True)
-        plan = services.plan_update(plan=self.plan(code), **body.validated_data)
+        plan = services.plan_update(
+            acting_user=request.user, plan=self.plan(code), **body.validated_data)
         return Response(s.PlanSerializer(Plan.objects.get(pk=plan.pk)).data)
 
 
@@ -179,7 +182,8 @@ class CreditPackListApi(PlanDetailApi):
     def post(self, request: Request, code: str) -> Response:
         body = s.CreditPackCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        pack = services.credit_pack_create(plan=self.plan(code), **body.validated_data)
+        pack = services.credit_pack_create(
+            acting_user=request.user, plan=self.plan(code), **body.validated_data)
         return Response(s.CreditPackSerializer(pack).data, status=status.HTTP_201_CREATED)
 
 
@@ -195,7 +199,8 @@ class OfferingListApi(StaffWriteView):
     def post(self, request: Request) -> Response:
         body = s.ProvisionedOfferingSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        offering = services.provisioned_offering_create(**body.validated_data)
+        offering = services.provisioned_offering_create(
+            acting_user=request.user, **body.validated_data)
         return Response(s.ProvisionedOfferingSerializer(offering).data,
                         status=status.HTTP_201_CREATED)
 
@@ -233,10 +238,12 @@ class SubscriptionListApi(PlansOrgView):
 
     @extend_schema(request=s.SubscriptionCreateSerializer,
                    responses={201: s.SubscriptionSerializer})
+    @idempotent
     def post(self, request: Request, org_id: str) -> Response:
         body = s.SubscriptionCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        sub = services.subscription_create(organization=self.org, **body.validated_data)
+        sub = services.subscription_create(
+            acting_user=request.user, organization=self.org, **body.validated_data)
         return Response(s.SubscriptionSerializer(sub).data, status=status.HTTP_201_CREATED)
 
 
@@ -244,11 +251,13 @@ class SubscriptionCancelApi(PlansOrgView):
     permission_for = {"POST": STAFF}
 
     @extend_schema(request=s.CancelSerializer, responses=s.SubscriptionSerializer)
+    @idempotent
     def post(self, request: Request, org_id: str, sub_id: str) -> Response:
         body = s.CancelSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         sub = get_object_or_404(Subscription, organization=self.org, public_id=sub_id)
-        sub = services.subscription_cancel(subscription=sub, **body.validated_data)
+        sub = services.subscription_cancel(
+            acting_user=request.user, subscription=sub, **body.validated_data)
         return Response(s.SubscriptionSerializer(sub).data)
 
 
@@ -273,12 +282,14 @@ class PackPurchaseListApi(PlansOrgView):
                    responses={201: s.PackPurchaseSerializer},
                    description="Buy a credit pack of the current plan; billed on the next "
                                "invoice.")
+    @idempotent
     def post(self, request: Request, org_id: str) -> Response:
         body = s.PackPurchaseCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         sub = self.current()
         pack = get_object_or_404(CreditPack, plan=sub.plan, code=body.validated_data["pack"])
-        purchase = services.credit_pack_purchase(subscription=sub, pack=pack)
+        purchase = services.credit_pack_purchase(
+            acting_user=request.user, subscription=sub, pack=pack)
         return Response(s.PackPurchaseSerializer(purchase).data, status=status.HTTP_201_CREATED)
 
 
@@ -293,10 +304,12 @@ class ReservationListApi(PlansOrgView):
 
     @extend_schema(request=s.ReservationCreateSerializer,
                    responses={201: s.ReservationSerializer})
+    @idempotent
     def post(self, request: Request, org_id: str) -> Response:
         body = s.ReservationCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        reservation = services.reservation_create(organization=self.org, **body.validated_data)
+        reservation = services.reservation_create(
+            acting_user=request.user, organization=self.org, **body.validated_data)
         return Response(s.ReservationSerializer(reservation).data,
                         status=status.HTTP_201_CREATED)
 
@@ -317,7 +330,8 @@ class ReservationDetailApi(PlansOrgView):
         body = s.ReservationUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         reservation = services.reservation_update(
-            reservation=self.reservation(reservation_id), **body.validated_data)
+            acting_user=request.user, reservation=self.reservation(reservation_id),
+            **body.validated_data)
         return Response(s.ReservationSerializer(reservation).data)
 
 
@@ -335,11 +349,13 @@ class CreditGrantListApi(PlansOrgView):
 
     @extend_schema(request=s.CreditGrantCreateSerializer,
                    responses={201: s.CreditGrantSerializer})
+    @idempotent
     def post(self, request: Request, org_id: str) -> Response:
         body = s.CreditGrantCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        grant = services.credit_grant_create(organization=self.org, created_by=request.user,
-                                             **body.validated_data)
+        grant = services.credit_grant_create(
+            acting_user=request.user, organization=self.org, created_by=request.user,
+            **body.validated_data)
         return Response(s.CreditGrantSerializer(grant).data, status=status.HTTP_201_CREATED)
 
 
@@ -540,12 +556,15 @@ class BudgetApi(OrgScopedView):
 
 
 class QuotaAuditApi(OrgScopedView):
+    """The quota part of the audit log (limits, budgets, suspensions, alerts), as before the
+    audit log existed; the whole log is ``/api/v1/organizations/{org}/audit_log/``."""
+
     permission_for = {"GET": "read"}
 
     def get(self, request: Request, org_id: str) -> Response:
-        rows = QuotaAuditEvent.objects.filter(organization=self.org).order_by("-created_at")[:200]
+        rows = quota_audit_events(organization=self.org)[:200]
         return Response({"object": "list", "data": [
-            {"action": r.action, "subject": r.subject, "details": r.details,
+            {"action": r.action, "subject": r.target, "details": r.after,
              "created_at": r.created_at.isoformat()} for r in rows]})
 
 

@@ -578,7 +578,7 @@ class CreditGrantApplication(models.Model):
         return f"{self.amount} from {self.grant.public_id} for {self.reference}"
 
 
-# --- quotas: rate limits, budgets, alerts, audit ---------------------------------------------
+# --- quotas: rate limits, budgets, alerts ---------------------------------------------------
 
 class QuotaLimit(models.Model):
     """Rate limits (and a region narrowing) for one organization, project or API key.
@@ -683,22 +683,3 @@ class BudgetAlert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.threshold}% of {self.budget_id} at {self.period_start:%Y-%m}"
-
-
-class QuotaAuditEvent(models.Model):
-    """Something quota enforcement did or someone changed: limits, budgets, suspensions."""
-
-    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
-                                     related_name="quota_audit_events")
-    action = models.CharField(max_length=40)
-    subject = models.CharField(max_length=80, blank=True)
-    details = models.JSONField(default=dict)
-    actor = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL,
-                              related_name="+")
-    created_at = models.DateTimeField(default=timezone.now)
-
-    class Meta:
-        indexes = [models.Index(fields=["organization", "-created_at"])]
-
-    def __str__(self) -> str:
-        return f"{self.action} {self.subject}"

@@ -34,9 +34,10 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from billing_platform.accounts.models import ApiKey, Organization, Project
+from billing_platform.audit.services import audit_record
 from billing_platform.errors import InvalidRequest
 from plans import admission
-from plans.models import Budget, BudgetAlert, QuotaAuditEvent, QuotaLimit, Subscription
+from plans.models import Budget, BudgetAlert, QuotaLimit, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -296,9 +297,9 @@ def limits_rows_of(*, organization: Organization) -> list[QuotaLimit]:
 
 def _audit(*, organization_id: int, action: str, subject: str = "",
            details: dict[str, Any] | None = None, actor: Any = None) -> None:
-    QuotaAuditEvent.objects.create(
-        organization_id=organization_id, action=action, subject=subject,
-        details=details or {}, actor=actor if getattr(actor, "pk", None) else None)
+    with transaction.atomic():  # a savepoint inside the action's transaction, if any
+        audit_record(acting_user=actor, organization=organization_id, action=action,
+                     target=subject, after=details or {})
 
 
 def quota_limit_set(*, organization: Organization, project: Project | None = None,

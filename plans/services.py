@@ -19,6 +19,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization, User
+from billing_platform.audit.services import audit_record, audit_snapshot
 from billing_platform.errors import Conflict, InvalidRequest
 from plans.choices import (
     DEFAULT_TIER_MULTIPLIERS,
@@ -70,15 +71,18 @@ def _decimal(value: Any, param: str) -> Decimal:
 
 # --- price books -------------------------------------------------------------------------------
 
-def price_book_create(*, code: str, name: str, currency: str, is_default: bool = False
-                      ) -> PriceBook:
+def price_book_create(*, code: str, name: str, currency: str, is_default: bool = False,
+                      acting_user: Any = None) -> PriceBook:
     """Create an empty price book; a default book replaces the currency's previous default."""
     currency = currency.upper()
     with transaction.atomic():
         if is_default:
             PriceBook.objects.filter(currency=currency, is_default=True).update(is_default=False)
-        return PriceBook.objects.create(code=code, name=name, currency=currency,
+        book = PriceBook.objects.create(code=code, name=name, currency=currency,
                                         is_default=is_default)
+        audit_record(acting_user=acting_user, organization=None, action="price_book.create",
+                     target=book.code, after=audit_snapshot(book))
+        return book
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ def price_version_create(
     remove_models: Iterable[str] = (),
     note: str = "",
     allow_backdate: bool = False,
+    acting_user: Any = None,
 ) -> PriceVersion:
     """Create the version of ``price_book`` in force from ``effective_from``.
 
@@ -177,6 +182,14 @@ def price_version_create(
                     cache_write=(None if band.get("cache_write") is None else
                                  _decimal(band["cache_write"], f"{spec.model}.band.write")),
                 )
+        audit_record(acting_user=acting_user, organization=None, action="price_version.create",
+                     target=price_book.code, after={
+                         "effective_from": effective_from, "note": note,
+                         "prices": {s.model: {"input": s.input, "output": s.output,
+                                              "cached_input": s.cached_input} for s in specs},
+                         "remove_models": sorted(replaced - {s.model for s in specs}),
+                         "tier_multipliers": tier_multipliers,
+                         "zone_multipliers": zone_multipliers})
         return version
 
 
@@ -208,6 +221,7 @@ def plan_create(
     coefficients: Iterable[Mapping[str, Any]] = (),
     description: str = "",
     is_public: bool = True,
+    acting_user: Any = None,
 ) -> Plan:
     """Create a plan; a token plan needs credits per period and at least one coefficient."""
     coefficients = list(coefficients)
@@ -233,10 +247,12 @@ def plan_create(
             is_public=is_public,
         )
         plan_set_coefficients(plan=plan, coefficients=coefficients)
+        audit_record(acting_user=acting_user, organization=None, action="plan.create",
+                     target=plan.code, after={**audit_snapshot(plan), "coefficients": coefficients})
         return plan
 
 
-def plan_update(*, plan: Plan, **fields: Any) -> Plan:
+def plan_update(*, plan: Plan, acting_user: Any = None, **fields: Any) -> Plan:
     """Change a plan's editable terms (applies to its subscriptions from now on)."""
     coefficients = fields.pop("coefficients", None)
     allowed = {"name", "description", "monthly_fee", "credits_per_period", "window_credits",
@@ -252,11 +268,15 @@ def plan_update(*, plan: Plan, **fields: Any) -> Plan:
         raise InvalidRequest("A token plan needs credits_per_period.",
                              param="credits_per_period")
     with transaction.atomic():
+        before = audit_snapshot(plan)
         for name, value in fields.items():
             setattr(plan, name, value)
         plan.save()
         if coefficients is not None:
             plan_set_coefficients(plan=plan, coefficients=coefficients)
+        audit_record(acting_user=acting_user, organization=None, action="plan.update",
+                     target=plan.code, before=before,
+                     after={**audit_snapshot(plan), "coefficients": coefficients})
     return plan
 
 
@@ -275,13 +295,18 @@ def plan_set_coefficients(*, plan: Plan, coefficients: Iterable[Mapping[str, Any
 
 
 def credit_pack_create(*, plan: Plan, code: str, name: str, credits: Decimal | str,
-                       price: Decimal | str, validity_days: int | None = None) -> CreditPack:
+                       price: Decimal | str, validity_days: int | None = None,
+                       acting_user: Any = None) -> CreditPack:
     """Offer a credit pack on a token plan."""
     if plan.kind != PlanKind.TOKEN_PLAN:
         raise InvalidRequest("Credit packs belong to token plans.", param="plan")
-    return CreditPack.objects.create(
-        plan=plan, code=code, name=name, credits=_decimal(credits, "credits"),
-        price=_decimal(price, "price"), validity_days=validity_days)
+    with transaction.atomic():
+        pack = CreditPack.objects.create(
+            plan=plan, code=code, name=name, credits=_decimal(credits, "credits"),
+            price=_decimal(price, "price"), validity_days=validity_days)
+        audit_record(acting_user=acting_user, organization=None, action="credit_pack.create",
+                     target=f"{plan.code}/{code}", after=audit_snapshot(pack))
+    return pack
 
 
 # --- subscriptions -----------------------------------------------------------------------------
@@ -294,6 +319,7 @@ def subscription_create(
     ends_at: datetime | None = None,
     billing_anchor: datetime | None = None,
     data_zone: str | None = None,
+    acting_user: Any = None,
 ) -> Subscription:
     """Put an organization on a plan from ``starts_at``; the subscription before it ends then.
 
@@ -310,29 +336,42 @@ def subscription_create(
         if current.filter(starts_at__gte=starts_at).exists():
             raise Conflict("A subscription starts at or after that time; cancel it first.",
                            param="starts_at")
-        current.filter(starts_at__lt=starts_at).filter(
-            Q(ends_at__isnull=True) | Q(ends_at__gt=starts_at)).update(ends_at=starts_at)
-        return Subscription.objects.create(
+        ended = current.filter(starts_at__lt=starts_at).filter(
+            Q(ends_at__isnull=True) | Q(ends_at__gt=starts_at))
+        before = [audit_snapshot(s) | {"id": s.public_id} for s in ended]
+        ended.update(ends_at=starts_at)
+        sub = Subscription.objects.create(
             organization=organization, plan=plan, starts_at=starts_at, ends_at=ends_at,
             billing_anchor=billing_anchor or starts_at,
             data_zone=data_zone or organization.data_zone)
+        audit_record(acting_user=acting_user, organization=organization,
+                     action="subscription.create", target=sub.public_id,
+                     before={"ended": before} if before else None,
+                     after=audit_snapshot(sub) | {"plan": plan.code})
+        return sub
 
 
-def subscription_cancel(*, subscription: Subscription, at: datetime | None = None
-                        ) -> Subscription:
+def subscription_cancel(*, subscription: Subscription, at: datetime | None = None,
+                        acting_user: Any = None) -> Subscription:
     """End a subscription at ``at`` (default now); the organization is on-demand after it."""
     at = _aware(at or timezone.now(), "at")
     if at <= subscription.starts_at:
         raise InvalidRequest("Cannot end a subscription before it starts.", param="at")
     if subscription.ends_at is not None and subscription.ends_at <= at:
         return subscription
-    subscription.ends_at = at
-    subscription.save(update_fields=["ends_at"])
+    with transaction.atomic():
+        before = {"ends_at": subscription.ends_at}
+        subscription.ends_at = at
+        subscription.save(update_fields=["ends_at"])
+        audit_record(acting_user=acting_user, organization=subscription.organization_id,
+                     action="subscription.cancel", target=subscription.public_id,
+                     before=before, after={"ends_at": at})
     return subscription
 
 
 def credit_pack_purchase(*, subscription: Subscription, pack: CreditPack,
-                         at: datetime | None = None) -> CreditPackPurchase:
+                         at: datetime | None = None, acting_user: Any = None
+                         ) -> CreditPackPurchase:
     """Record a bought credit pack; its price is charged on the next invoice."""
     at = _aware(at or timezone.now(), "at")
     if pack.plan_id != subscription.plan_id or not pack.is_active:
@@ -343,19 +382,31 @@ def credit_pack_purchase(*, subscription: Subscription, pack: CreditPack,
     expires = at + timedelta(days=pack.validity_days) if pack.validity_days else None
     if subscription.ends_at is not None:
         expires = min(expires or subscription.ends_at, subscription.ends_at)
-    return CreditPackPurchase.objects.create(
-        subscription=subscription, pack=pack, credits=pack.credits, price=pack.price,
-        currency=subscription.plan.currency, purchased_at=at, expires_at=expires)
+    with transaction.atomic():
+        purchase = CreditPackPurchase.objects.create(
+            subscription=subscription, pack=pack, credits=pack.credits, price=pack.price,
+            currency=subscription.plan.currency, purchased_at=at, expires_at=expires)
+        audit_record(acting_user=acting_user, organization=subscription.organization_id,
+                     action="credit_pack.purchase", target=purchase.public_id,
+                     after={"pack": pack.code, "credits": pack.credits, "price": pack.price,
+                            "currency": purchase.currency, "expires_at": expires})
+    return purchase
 
 
 # --- provisioned -------------------------------------------------------------------------------
 
-def provisioned_offering_create(**fields: Any) -> ProvisionedOffering:
+def provisioned_offering_create(*, acting_user: Any = None, **fields: Any
+                                ) -> ProvisionedOffering:
     """Offer provisioned throughput of a model in a region."""
     for name in ("cache_burndown", "output_burndown", "hourly_unit_price", "monthly_unit_price"):
         if name in fields:
             fields[name] = _decimal(fields[name], name)
-    return ProvisionedOffering.objects.create(**fields)
+    with transaction.atomic():
+        offering = ProvisionedOffering.objects.create(**fields)
+        audit_record(acting_user=acting_user, organization=None,
+                     action="provisioned_offering.create", target=str(offering.pk),
+                     after=audit_snapshot(offering))
+    return offering
 
 
 def reservation_create(
@@ -367,6 +418,7 @@ def reservation_create(
     term_count: int = 1,
     starts_at: datetime | None = None,
     overflow_policy: str = "spillover",
+    acting_user: Any = None,
 ) -> Reservation:
     """Reserve ``units`` of an offering for ``term_count`` terms, copying its current terms."""
     starts_at = _aware(starts_at or timezone.now(), "starts_at")
@@ -382,25 +434,37 @@ def reservation_create(
         ends_at, unit_price = add_months(starts_at, term_count), offering.monthly_unit_price
     else:
         raise InvalidRequest(f"Unknown term {term!r}", param="term")
-    return Reservation.objects.create(
-        organization=organization, offering=offering, model=offering.model,
-        region=offering.region, units=units, term=term, term_count=term_count,
-        unit_price=unit_price, currency=offering.currency,
-        tokens_per_minute_per_unit=offering.tokens_per_minute_per_unit,
-        cache_burndown=offering.cache_burndown, output_burndown=offering.output_burndown,
-        overflow_policy=overflow_policy, starts_at=starts_at, ends_at=ends_at)
+    with transaction.atomic():
+        reservation = Reservation.objects.create(
+            organization=organization, offering=offering, model=offering.model,
+            region=offering.region, units=units, term=term, term_count=term_count,
+            unit_price=unit_price, currency=offering.currency,
+            tokens_per_minute_per_unit=offering.tokens_per_minute_per_unit,
+            cache_burndown=offering.cache_burndown, output_burndown=offering.output_burndown,
+            overflow_policy=overflow_policy, starts_at=starts_at, ends_at=ends_at)
+        audit_record(acting_user=acting_user, organization=organization,
+                     action="reservation.create", target=reservation.public_id,
+                     after=audit_snapshot(reservation))
+    return reservation
 
 
 def reservation_update(*, reservation: Reservation, overflow_policy: str | None = None,
-                       ends_at: datetime | None = None) -> Reservation:
+                       ends_at: datetime | None = None, acting_user: Any = None
+                       ) -> Reservation:
     """Change a reservation's overflow policy or end it early (staff)."""
+    before = {"overflow_policy": reservation.overflow_policy, "ends_at": reservation.ends_at}
     if overflow_policy is not None:
         reservation.overflow_policy = overflow_policy
     if ends_at is not None:
         if _aware(ends_at, "ends_at") <= reservation.starts_at:
             raise InvalidRequest("ends_at must be after starts_at", param="ends_at")
         reservation.ends_at = ends_at
-    reservation.save()
+    with transaction.atomic():
+        reservation.save()
+        audit_record(acting_user=acting_user, organization=reservation.organization_id,
+                     action="reservation.update", target=reservation.public_id, before=before,
+                     after={"overflow_policy": reservation.overflow_policy,
+                            "ends_at": reservation.ends_at})
     return reservation
 
 
@@ -416,6 +480,7 @@ def credit_grant_create(
     note: str = "",
     created_by: User | None = None,
     granted_at: datetime | None = None,
+    acting_user: Any = None,
 ) -> CreditGrant:
     """Grant an organization credit (money), usable until ``expires_at``."""
     value = _decimal(amount, "amount")
@@ -423,10 +488,16 @@ def credit_grant_create(
         raise InvalidRequest("amount must be > 0", param="amount")
     if expires_at is not None:
         _aware(expires_at, "expires_at")
-    return CreditGrant.objects.create(
-        organization=organization, kind=kind, currency=(currency or organization.currency).upper(),
-        amount=value, remaining=value, expires_at=expires_at, note=note, created_by=created_by,
-        granted_at=granted_at or timezone.now())
+    with transaction.atomic():
+        grant = CreditGrant.objects.create(
+            organization=organization, kind=kind,
+            currency=(currency or organization.currency).upper(), amount=value, remaining=value,
+            expires_at=expires_at, note=note, created_by=created_by,
+            granted_at=granted_at or timezone.now())
+        audit_record(acting_user=acting_user or created_by, organization=organization,
+                     action="credit_grant.create", target=grant.public_id,
+                     after=audit_snapshot(grant))
+    return grant
 
 
 def credit_grants_apply(

@@ -10,10 +10,10 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from billing_platform.accounts.models import Project
 from billing_platform.accounts.selectors import OrgAccess
+from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.console.views import org_page
 from billing_platform.errors import DomainError
 from plans import quotas
-from plans.models import QuotaAuditEvent
 
 
 class LimitsForm(forms.Form):
@@ -90,6 +90,6 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
         "tier": tier, "tier_limits": quotas.USAGE_TIERS[tier], "limits": limits,
         "org_limits": org_row, "projects": projects, "budgets": budgets,
         "limits_form": LimitsForm(), "budget_form": BudgetForm(),
-        "audit": QuotaAuditEvent.objects.filter(organization=org).order_by("-created_at")[:20],
+        "audit": quota_audit_events(organization=org)[:20],
         "can_write": access.can("org.write"),
     })

@@ -3,7 +3,13 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from billing_platform.console import batch_views, settings_views, usage_views, views
+from billing_platform.console import (
+    audit_views,
+    batch_views,
+    settings_views,
+    usage_views,
+    views,
+)
 
 app_name = "console"
 
@@ -29,6 +35,7 @@ urlpatterns = [
          name="invoice-csv"),
     path("settings/", settings_views.quota_settings, name="settings"),
     path("usage/", usage_views.usage, name="usage"),
+    path("audit/", audit_views.audit_log, name="audit"),
     path("batches/", batch_views.batches, name="batches"),
     path("batches/<str:batch_id>/cancel/", batch_views.batch_cancel, name="batch-cancel"),
     path("files/<str:file_id>/", batch_views.batch_file, name="file"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from billing_platform.accounts.choices import Role
+from billing_platform.audit.models import AuditEvent
 from plans import quotas
-from plans.models import QuotaAuditEvent
 from tests.factories import (
     MembershipFactory,
     OrganizationFactory,
@@ -50,7 +50,7 @@ def test_admin_sets_org_project_and_key_limits_and_the_policy_reflects_them(api_
     assert dict(policy.rpm) == {f"o{org.id}": 500, f"p{project.id}": 100}
     assert dict(policy.tpm) == {f"o{org.id}": 200_000, f"k{key.id}": 1000}
     assert policy.allowed_regions == frozenset({"eu-west"})
-    assert QuotaAuditEvent.objects.filter(organization=org, action="limits.set").count() == 3
+    assert AuditEvent.objects.filter(organization=org, action="limits.set").count() == 3
 
 
 def test_budget_api_roles_secret_and_404_for_strangers(api_client):

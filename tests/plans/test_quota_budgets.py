@@ -15,9 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from billing_platform.audit.models import AuditEvent
 from metering.models import UsageEvent
 from plans import admission, quotas
-from plans.models import BudgetAlert, QuotaAuditEvent
+from plans.models import BudgetAlert
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
 from tests.gateway.conftest import drain_usage, live_gateway  # noqa: F401
@@ -86,7 +87,7 @@ def test_alerts_fire_once_per_threshold_by_email_and_signed_webhook(
         assert not quotas.verify_webhook(secret=budget.webhook_secret, body=body + b" ",
                                          header=header)
     assert BudgetAlert.objects.filter(budget=budget, webhook_status="204").count() == 3
-    assert QuotaAuditEvent.objects.filter(organization=org, action="budget.alert").count() == 3
+    assert AuditEvent.objects.filter(organization=org, action="budget.alert").count() == 3
 
 
 def test_an_exhausted_hard_project_budget_suspends_its_keys_and_raising_it_reinstates(
@@ -112,7 +113,7 @@ def test_an_exhausted_hard_project_budget_suspends_its_keys_and_raising_it_reins
     get_redis().hset(key, "spent", 1)
     quotas.budget_sweep()
     assert admission.from_micro(get_redis().hget(key, "spent")) >= spent
-    assert QuotaAuditEvent.objects.filter(organization=org,
+    assert AuditEvent.objects.filter(organization=org,
                                           action="budget.drift_fixed").exists()
 
     # when the budget is lowered below this month's spend, the sweep suspends the keys
@@ -136,7 +137,7 @@ def test_an_exhausted_hard_project_budget_suspends_its_keys_and_raising_it_reins
     assert budget.suspended_at is None
     wait_until(lambda: _chat(live_gateway, secret).status_code == 200, timeout=10,
                what="the key to be reinstated")
-    actions = list(QuotaAuditEvent.objects.filter(organization=org)
+    actions = list(AuditEvent.objects.filter(organization=org)
                    .order_by("created_at").values_list("action", flat=True))
     assert actions.index("keys.suspended") < actions.index("keys.reinstated")
     assert Decimal(str(spent)) > 0

@@ -1,0 +1,1 @@
+"""The one append-only audit log of privileged and money-moving actions (see ``services``)."""

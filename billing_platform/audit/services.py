@@ -1,0 +1,55 @@
+"""Write audit rows. Every privileged or money-moving service calls ``audit_record`` inside its
+own ``transaction.atomic()``, so the action and its row commit or roll back together (as Zulip's
+actions write ``RealmAuditLog``).
+
+``acting_user`` is whoever acted: a console or API ``User``, an ``ApiKey`` (or the
+``KeyUser``/``KeyPrincipal`` the API authenticates), or ``None`` for the system itself (a
+webhook, a Celery sweep).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models, transaction
+from django.forms.models import model_to_dict
+
+from billing_platform.accounts.models import ApiKey, Organization, User
+from billing_platform.audit.context import current_request_id
+from billing_platform.audit.models import AuditEvent
+
+
+def _actor(acting_user: Any) -> dict[str, Any]:
+    if acting_user is None or not getattr(acting_user, "is_authenticated", True):
+        return {"actor_label": "system"}
+    if isinstance(acting_user, User):
+        return {"actor_user": acting_user, "actor_label": acting_user.email}
+    if isinstance(acting_user, ApiKey):
+        return {"actor_key_id": acting_user.pk, "actor_label": f"api-key:{acting_user.prefix}"}
+    principal = getattr(acting_user, "principal", acting_user)  # KeyUser -> KeyPrincipal
+    if hasattr(principal, "key_id") and hasattr(principal, "prefix"):
+        return {"actor_key_id": principal.key_id, "actor_label": f"api-key:{principal.prefix}"}
+    raise TypeError(f"acting_user must be a User, an ApiKey or None, not {acting_user!r}")
+
+
+def audit_record(*, acting_user: Any, organization: Organization | int | None, action: str,
+                 target: str = "", before: dict[str, Any] | None = None,
+                 after: dict[str, Any] | None = None) -> AuditEvent:
+    """Append one audit row; call it inside the action's transaction.
+
+    ``organization`` is the org acted on (or its pk), ``None`` for a platform-wide action such as
+    a staff price-book change.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError(f"audit_record({action!r}) must run inside the action's "
+                           "transaction.atomic() block")
+    return AuditEvent.objects.create(
+        organization_id=getattr(organization, "pk", organization), action=action,
+        target=target or "", before=before, after=after, request_id=current_request_id.get(),
+        **_actor(acting_user))
+
+
+def audit_snapshot(instance: models.Model, fields: tuple[str, ...] | None = None
+                   ) -> dict[str, Any]:
+    """Return an object's editable fields (or ``fields``) as a JSON-able before/after dict."""
+    return model_to_dict(instance, fields=fields)
