@@ -17,6 +17,7 @@ QUEUES = ("metering", "billing", "quota", "batch", "fleet")
 app.conf.task_queues = [Queue(name, Exchange(name), routing_key=name) for name in QUEUES]
 app.conf.task_routes = {
     "accounts.*": {"queue": "quota"},
+    "idempotency.*": {"queue": "quota"},
     "metering.*": {"queue": "metering"},
     "plans.*": {"queue": "quota"},
     "invoicing.*": {"queue": "billing"},
@@ -45,6 +46,7 @@ app.conf.beat_schedule = {
         "schedule": float(os.environ.get("TOLLGATE_PERIOD_CLOSE_S", "900")),
     },
     "invoicing-dunning": {"task": "invoicing.dunning", "schedule": 3600.0},
+    "idempotency-prune": {"task": "idempotency.prune", "schedule": 3600.0},
     "invoicing-payments-sync": {"task": "invoicing.payments_sync", "schedule": 900.0},
 }
 app.autodiscover_tasks()

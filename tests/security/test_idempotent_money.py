@@ -154,3 +154,19 @@ def test_a_retried_staff_credit_grant_grants_once(api_client):
     assert CreditGrant.objects.filter(organization=org).count() == 1
     row = AuditEvent.objects.get(organization=org, action="credit_grant.create")
     assert row.actor_label == staff.email
+
+
+@pytest.mark.django_db
+def test_keys_are_forgotten_after_24_hours(api_client):
+    from billing_platform.idempotency.services import idempotent_requests_prune
+
+    owner = _owner_on_token_plan()
+    org = owner.organization
+    api_client.force_login(owner.user)
+    api_client.post(_packs_url(org), {"pack": "boost"}, format="json", HTTP_IDEMPOTENCY_KEY="k")
+    assert idempotent_requests_prune(now=timezone.now() + timedelta(hours=1)) == 0
+    assert idempotent_requests_prune(now=timezone.now() + timedelta(hours=25)) == 1
+    again = api_client.post(_packs_url(org), {"pack": "boost"}, format="json",
+                            HTTP_IDEMPOTENCY_KEY="k")
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again
+    assert CreditPackPurchase.objects.filter(subscription__organization=org).count() == 2
