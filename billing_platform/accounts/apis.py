@@ -91,7 +91,8 @@ class OrganizationDetailApi(OrgScopedView):
     def patch(self, request: Request, org_id: str) -> Response:
         body = s.OrganizationUpdateSerializer(data=request.data, partial=True)
         body.is_valid(raise_exception=True)
-        org = services.organization_update(organization=self.org, **body.validated_data)
+        org = services.organization_update(organization=self.org, acting_user=request.user,
+                                           **body.validated_data)
         ctx = {"roles": {org.pk: self.access.role}}
         return Response(s.OrganizationSerializer(org, context=ctx).data)
 
@@ -130,7 +131,8 @@ class ProjectDetailApi(OrgScopedView):
 
     @extend_schema(responses=s.ProjectSerializer, description="Archive; revokes its keys.")
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
-        project = services.project_archive(project=self.project(project_id))
+        project = services.project_archive(project=self.project(project_id),
+                                           acting_user=request.user)
         return Response(s.ProjectSerializer(project).data)
 
 
@@ -147,9 +149,8 @@ class ApiKeyListApi(OrgScopedView):
     def post(self, request: Request, org_id: str, project_id: str) -> Response:
         body = s.ApiKeyCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        creator = request.user if not hasattr(request.user, "principal") else None
         key, secret = services.api_key_create(
-            project=self.project(project_id), created_by=creator, **body.validated_data
+            project=self.project(project_id), acting_user=request.user, **body.validated_data
         )
         data = s.ApiKeySerializer(key).data
         data["secret"] = secret
@@ -171,7 +172,8 @@ class ApiKeyDetailApi(OrgScopedView):
 
     @extend_schema(request=None, responses=s.ApiKeySerializer, description="Revoke the key.")
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
-        key = services.api_key_revoke(api_key=self.key(project_id, key_id))
+        key = services.api_key_revoke(api_key=self.key(project_id, key_id),
+                                      acting_user=request.user)
         return Response(s.ApiKeySerializer(key).data)
 
 
@@ -198,8 +200,7 @@ class MemberListApi(OrgScopedView):
         if hasattr(request.user, "principal"):
             raise exceptions.PermissionDenied("Invitations are sent by a person, not a key.")
         invitation, _token = services.member_invite(
-            organization=self.org, invited_by=request.user, acting_role=self.access.role,
-            **body.validated_data,
+            organization=self.org, acting_user=request.user, **body.validated_data,
         )
         return Response(s.InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
 
@@ -223,11 +224,11 @@ class MemberDetailApi(OrgScopedView):
         body.is_valid(raise_exception=True)
         membership = services.member_set_role(
             membership=self.member(member_id), role=body.validated_data["role"],
-            acting_role=self.access.role,
+            acting_user=request.user,
         )
         return Response(s.MemberSerializer(membership).data)
 
     @extend_schema(request=None, responses={204: None})
     def delete(self, request: Request, org_id: str, member_id: int) -> Response:
-        services.member_remove(membership=self.member(member_id), acting_role=self.access.role)
+        services.member_remove(membership=self.member(member_id), acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -1,9 +1,17 @@
 """Redis cache of API-key lookups with no stale window after a change.
 
 Entries are filled with ``SET NX`` and changed keys are invalidated by writing a fresh
-``reload:<nonce>`` marker (on commit). A reader that saw a marker may only replace *that*
-marker (compare-and-set), so a reader that read the database before a revocation committed can
-never write its stale copy over the invalidation: revocation takes effect at once.
+``reload:<nonce>`` marker. A reader that saw a marker may only replace *that* marker
+(compare-and-set), so a reader that read the database before a revocation committed can never
+write its stale copy over the invalidation: revocation takes effect at once.
+
+A change is bracketed: ``hold`` runs inside the writer's transaction, before it commits, and
+adds the writer's token to the key's ``changing`` set (and drops the cached entry); while that
+set is not empty no reader may fill the cache, so every lookup reads the database. ``release``
+runs after the commit, removes the token and writes a fresh marker. If ``hold`` cannot reach
+Redis the change fails (the caller's transaction rolls back); if ``release`` cannot, the token
+stays until it expires and lookups keep reading the database meanwhile. Either way a revoked
+key is never served from a stale cache entry.
 """
 
 from __future__ import annotations
@@ -11,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
+import time
 from typing import Any
 
 import redis
@@ -19,12 +29,31 @@ from django.conf import settings
 
 from billing_platform.redis_conn import get_aredis, get_pipelined, get_redis
 
-_CAS = """
+# KEYS: entry, changing set. ARGV: marker seen ('' for none), payload, ttl.
+_FILL = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return nil
+end
+if ARGV[1] == '' then
+  return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3], 'NX')
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 end
 return nil
 """
+# KEYS: entry, changing set. ARGV: token, marker, ttl.
+_HOLD = """
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+"""
+_RELEASE = """
+redis.call('SREM', KEYS[2], ARGV[1])
+return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+"""
+log = logging.getLogger(__name__)
+
 LAST_USED_HASH = "tg:apikey:last_used"
 MARKER = "reload:"
 TOUCH_BATCH_S = 1.0  # the gateway writes last-used times at most this often, all in one HSET
@@ -32,6 +61,10 @@ TOUCH_BATCH_S = 1.0  # the gateway writes last-used times at most this often, al
 
 def cache_key(prefix: str) -> str:
     return f"tg:apikey:{prefix}"
+
+
+def changing_key(prefix: str) -> str:
+    return f"tg:apikey:{prefix}:changing"
 
 
 def _decode(raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
@@ -54,35 +87,70 @@ async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
 
 def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
     """Store a freshly read entry unless the key was invalidated since it was read."""
-    r = get_redis()
-    payload = json.dumps(entry)
-    ttl = settings.API_KEY_CACHE_TTL_S
-    if marker is None:
-        r.set(cache_key(prefix), payload, ex=ttl, nx=True)
-    else:
-        r.eval(_CAS, 1, cache_key(prefix), marker, payload, ttl)
+    get_redis().eval(_FILL, 2, cache_key(prefix), changing_key(prefix), marker or "",
+                     json.dumps(entry), settings.API_KEY_CACHE_TTL_S)
 
 
 async def afill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
     """Async ``fill`` for the gateway."""
-    r = get_aredis()
-    payload = json.dumps(entry)
-    ttl = settings.API_KEY_CACHE_TTL_S
-    if marker is None:
-        await r.set(cache_key(prefix), payload, ex=ttl, nx=True)
-    else:
-        await r.eval(_CAS, 1, cache_key(prefix), marker, payload, ttl)
+    await get_aredis().eval(_FILL, 2, cache_key(prefix), changing_key(prefix), marker or "",
+                            json.dumps(entry), settings.API_KEY_CACHE_TTL_S)
+
+
+def _bracket(script: str, prefixes: list[str], token: str) -> None:
+    pipe = get_redis().pipeline(transaction=False)
+    for prefix in prefixes:
+        pipe.eval(script, 2, cache_key(prefix), changing_key(prefix), token,
+                  MARKER + secrets.token_hex(8), settings.API_KEY_CACHE_TTL_S)
+    pipe.execute()
+
+
+def hold(prefixes: list[str], *, attempts: int = 3) -> str:
+    """Stop the cache serving or storing these keys until ``release``; return the token.
+
+    Call it inside the transaction that changes the keys, before it commits. Retries a
+    briefly unreachable Redis, then raises ``redis.RedisError``: the change must then fail.
+    """
+    token = secrets.token_hex(8)
+    if not prefixes:
+        return token
+    for attempt in range(attempts):
+        try:
+            _bracket(_HOLD, prefixes, token)
+        except redis.RedisError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * 4**attempt)
+        else:
+            return token
+    raise AssertionError("unreachable")
+
+
+def release(prefixes: list[str], token: str, *, attempts: int = 3) -> bool:
+    """After the change committed, let lookups fill the cache again; return False on failure.
+
+    A failure is logged, not raised: the change is committed, and the held keys keep reading
+    the database until the hold expires (``API_KEY_CACHE_TTL_S``).
+    """
+    if not prefixes:
+        return True
+    for attempt in range(attempts):
+        try:
+            _bracket(_RELEASE, prefixes, token)
+        except redis.RedisError as exc:
+            if attempt == attempts - 1:
+                log.warning("API key cache release of %d key(s) failed (%r); they read the "
+                            "database until the hold expires", len(prefixes), exc)
+                return False
+            time.sleep(0.05 * 4**attempt)
+        else:
+            return True
+    return False
 
 
 def invalidate(prefixes: list[str]) -> None:
-    """Force the next lookup of each key to read the database."""
-    if not prefixes:
-        return
-    pipe = get_redis().pipeline(transaction=False)
-    for prefix in prefixes:
-        pipe.set(cache_key(prefix), MARKER + secrets.token_hex(8),
-                 ex=settings.API_KEY_CACHE_TTL_S)
-    pipe.execute()
+    """Force the next lookup of each key to read the database (no transaction to bracket)."""
+    release(prefixes, hold(prefixes))
 
 
 def touch(key_id: int, at: float) -> None:

@@ -7,6 +7,7 @@ fast hash is the right tool: there is nothing to brute-force).
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from decimal import Decimal
 
@@ -16,6 +17,11 @@ from django.db import models
 from django.utils import timezone
 
 from billing_platform.accounts.choices import DataZone, OrgStatus, ProjectStatus, Role, Scope
+
+
+def sha256_hex(value: str) -> str:
+    """Return the hex SHA-256 of ``value`` (how key secrets and invitation tokens are stored)."""
+    return hashlib.sha256(value.encode()).hexdigest()
 
 
 def public_id(prefix: str) -> str:

@@ -14,9 +14,15 @@ from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 
 from billing_platform.accounts import keycache
-from billing_platform.accounts.choices import ROLE_PERMISSIONS, OrgStatus, Role, Scope
-from billing_platform.accounts.models import ApiKey, Membership, Organization, User
-from billing_platform.accounts.services import sha256_hex
+from billing_platform.accounts.choices import (
+    ROLE_PERMISSIONS,
+    OrgStatus,
+    Role,
+    Scope,
+    role_capped_at_admin,
+    scopes_grantable,
+)
+from billing_platform.accounts.models import ApiKey, Membership, Organization, User, sha256_hex
 from billing_platform.errors import Forbidden, NotFound
 
 KEY_RE = re.compile(r"^tg-(?P<prefix>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{20,100})$")
@@ -160,18 +166,38 @@ class OrgAccess:
         return permission in self.permissions
 
 
+def key_role(*, organization_id: int, created_by_id: int | None) -> str | None:
+    """Return the role an ``admin``-scoped key acts with: its creator's, at most admin.
+
+    The creator's role is read now, so a key never carries more authority than the person
+    who made it has today. A key the platform made (seed, staff tooling: no creator) acts as
+    an admin; a key whose creator left the organization has no role (None).
+    """
+    if created_by_id is None:
+        return Role.ADMIN
+    role = (Membership.objects.filter(organization_id=organization_id, user_id=created_by_id)
+            .values_list("role", flat=True).first())
+    return role_capped_at_admin(role) if role else None
+
+
 def org_access(*, user: Any, principal: KeyPrincipal | None, org_public_id: str) -> OrgAccess:
     """Return the actor's access to an organization, or raise NotFound if they have none.
 
-    An API key with the ``admin`` scope acts as an admin of its own organization only.
-    Not-a-member and does-not-exist look the same, so nothing leaks.
+    An API key with the ``admin`` scope acts in its own organization only, with its creator's
+    role capped at admin (``key_role``). Not-a-member and does-not-exist look the same, so
+    nothing leaks.
     """
     if principal is not None:
         if principal.org_public_id != org_public_id:
             raise NotFound("No such organization.")
         if not principal.has_scope(Scope.ADMIN):
             raise Forbidden("This API key lacks the 'admin' scope.")
-        return OrgAccess(Organization.objects.get(pk=principal.org_id), Role.ADMIN)
+        created_by_id = (ApiKey.objects.filter(pk=principal.key_id)
+                         .values_list("created_by_id", flat=True).first())
+        role = key_role(organization_id=principal.org_id, created_by_id=created_by_id)
+        if role is None:
+            raise Forbidden("The person who made this API key is no longer a member.")
+        return OrgAccess(Organization.objects.get(pk=principal.org_id), role)
     membership = (
         Membership.objects.select_related("organization")
         .filter(user=user, organization__public_id=org_public_id).first()
@@ -180,6 +206,65 @@ def org_access(*, user: Any, principal: KeyPrincipal | None, org_public_id: str)
     if membership is None:
         raise NotFound("No such organization.")
     return OrgAccess(membership.organization, membership.role)
+
+
+@dataclass(frozen=True)
+class Authority:
+    """What an actor may do in one organization, as the services check it.
+
+    ``role`` is the member's role (an ``admin``-scoped key's: see ``key_role``), None for
+    someone with no standing there. ``unrestricted`` is platform staff or the system itself
+    (no actor): customer rules (grantable scopes, tier ceilings) do not bind them. ``person``
+    answers for the act: the user, or the person who made the acting key.
+    """
+
+    role: str | None
+    unrestricted: bool = False
+    person: User | None = None
+
+    def can(self, permission: str) -> bool:
+        return self.unrestricted or (
+            self.role is not None and permission in ROLE_PERMISSIONS[self.role])
+
+    @property
+    def grantable_scopes(self) -> frozenset[str]:
+        return frozenset(Scope.values) if self.unrestricted else scopes_grantable(self.role)
+
+    @property
+    def is_owner(self) -> bool:
+        return self.unrestricted or self.role == Role.OWNER
+
+
+SYSTEM = Authority(role=Role.OWNER, unrestricted=True)
+
+
+def _key_id_of(acting_user: Any) -> int | None:
+    if isinstance(acting_user, ApiKey):
+        return acting_user.pk
+    principal = getattr(acting_user, "principal", acting_user)  # KeyUser -> KeyPrincipal
+    return principal.key_id if isinstance(principal, KeyPrincipal) else None
+
+
+def authority_of(*, organization_id: int, acting_user: Any) -> Authority:
+    """Return what ``acting_user`` (a User, an ApiKey or a key's KeyUser, or None for the
+    system) may do in the organization ``organization_id``."""
+    if acting_user is None:
+        return SYSTEM
+    key_id = _key_id_of(acting_user)
+    if key_id is not None:
+        row = (ApiKey.objects.filter(pk=key_id, organization_id=organization_id,
+                                     scopes__contains=[Scope.ADMIN])
+               .select_related("created_by").first())
+        if row is None:
+            return Authority(role=None)
+        return Authority(role=key_role(organization_id=organization_id,
+                                       created_by_id=row.created_by_id),
+                         person=row.created_by)
+    if not getattr(acting_user, "is_authenticated", False):
+        return Authority(role=None)
+    role = (Membership.objects.filter(organization_id=organization_id, user=acting_user)
+            .values_list("role", flat=True).first())
+    return Authority(role=role, unrestricted=bool(acting_user.is_staff), person=acting_user)
 
 
 def api_keys_for_project(*, project_id: int) -> QuerySet[ApiKey]:

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import string
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.text import slugify
+from redis import RedisError
 
 from billing_platform.accounts import keycache
-from billing_platform.accounts.choices import DataZone, ProjectStatus, Role, Scope
+from billing_platform.accounts.choices import (
+    DataZone,
+    ProjectStatus,
+    Role,
+    Scope,
+    scopes_grantable,
+)
 from billing_platform.accounts.models import (
     ApiKey,
     Invitation,
@@ -23,15 +30,50 @@ from billing_platform.accounts.models import (
     Organization,
     Project,
     User,
+    sha256_hex,
 )
-from billing_platform.errors import Conflict, Forbidden, InvalidRequest, NotFound
+from billing_platform.accounts.selectors import Authority, authority_of
+from billing_platform.audit.services import audit_record
+from billing_platform.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound
+
+__all__ = ["sha256_hex"]  # re-exported: the hashing of secrets and tokens lives in models
 
 KEY_PREFIX_ALPHABET = string.ascii_lowercase + string.digits
 INVITATION_TTL = timedelta(days=7)
 
 
-def sha256_hex(value: str) -> str:
-    return hashlib.sha256(value.encode()).hexdigest()
+class KeyCacheUnavailable(DomainError):
+    """The key cache could not be told about a change, so the change was not made."""
+
+    code = "service_unavailable"
+    status = 503
+
+
+def api_key_cache_refresh(*, prefixes: list[str]) -> None:
+    """Make a change to these keys take effect at once on every cached lookup.
+
+    Call it inside the transaction that changes the keys: it holds the cache before the
+    commit (or raises ``KeyCacheUnavailable``, rolling the change back) and releases it after
+    (see ``keycache``), so no lookup can serve or store the keys as they were.
+    """
+    if not prefixes:
+        return
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("api_key_cache_refresh must run inside the change's transaction")
+    try:
+        token = keycache.hold(prefixes)
+    except RedisError as exc:
+        raise KeyCacheUnavailable(
+            "The change could not be applied to the API key cache, so nothing was changed; "
+            "try again in a moment.") from exc
+    transaction.on_commit(lambda: keycache.release(prefixes, token))
+
+
+def _key_state(key: ApiKey) -> dict[str, Any]:
+    return {"name": key.name, "project": key.project.public_id, "scopes": list(key.scopes),
+            "allowed_models": list(key.allowed_models),
+            "expires_at": key.expires_at.isoformat() if key.expires_at else None,
+            "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None}
 
 
 def _unique_slug(name: str) -> str:
@@ -70,18 +112,42 @@ def user_sign_up(*, email: str, password: str, org_name: str) -> tuple[User, Org
     return user, organization_create(name=org_name, owner=user)
 
 
+ORG_FIELDS = ("name", "billing_email", "data_zone", "tax_rate", "currency", "status")
+
+
+def organization_state(organization: Organization) -> dict[str, Any]:
+    return {name: str(getattr(organization, name)) for name in ORG_FIELDS}
+
+
 @transaction.atomic
-def organization_update(*, organization: Organization, **fields: object) -> Organization:
+def organization_update(*, organization: Organization, acting_user: Any = None,
+                        **fields: object) -> Organization:
     """Change an organization's settings; its keys re-read them at once."""
-    allowed = {"name", "billing_email", "data_zone", "tax_rate", "currency", "status"}
+    before = organization_state(Organization.objects.get(pk=organization.pk))
     for name, value in fields.items():
-        if name not in allowed:
+        if name not in ORG_FIELDS:
             raise InvalidRequest(f"{name} cannot be changed.", param=name)
         setattr(organization, name, value)
     organization.save()
-    prefixes = list(organization.api_keys.values_list("prefix", flat=True))
-    transaction.on_commit(lambda: keycache.invalidate(prefixes))
+    organization_saved(organization=organization, before=before, acting_user=acting_user)
     return organization
+
+
+def organization_saved(*, organization: Organization, before: dict[str, Any] | None,
+                       acting_user: Any) -> None:
+    """Record a saved organization change and make its keys re-read it at once.
+
+    ``organization_update`` calls it; so does the Django admin, which saves the row itself.
+    Call it inside the change's transaction.
+    """
+    after = organization_state(organization)
+    api_key_cache_refresh(prefixes=list(organization.api_keys.values_list("prefix", flat=True)))
+    changed = {k for k in after if before is None or before.get(k) != after[k]}
+    if changed:
+        audit_record(acting_user=acting_user, organization=organization,
+                     action="organization.update", target=organization.public_id,
+                     before={k: before[k] for k in changed} if before else None,
+                     after={k: after[k] for k in changed})
 
 
 def project_create(*, organization: Organization, name: str) -> Project:
@@ -101,12 +167,12 @@ def project_update(*, project: Project, name: str) -> Project:
 
 
 @transaction.atomic
-def project_archive(*, project: Project) -> Project:
+def project_archive(*, project: Project, acting_user: Any = None) -> Project:
     """Archive a project and revoke its keys (usage history stays)."""
     project.status = ProjectStatus.ARCHIVED
     project.save(update_fields=["status"])
-    for key in project.api_keys.filter(revoked_at__isnull=True):
-        api_key_revoke(api_key=key)
+    api_keys_revoke(keys=project.api_keys.filter(revoked_at__isnull=True),
+                    acting_user=acting_user, reason="project archived")
     return project
 
 
@@ -114,18 +180,36 @@ def _new_prefix() -> str:
     return "".join(secrets.choice(KEY_PREFIX_ALPHABET) for _ in range(12))
 
 
+def _refuse_scopes_beyond(authority: Authority, scopes: Iterable[str]) -> None:
+    beyond = sorted(set(scopes) - authority.grantable_scopes)
+    if beyond:
+        raise Forbidden(
+            f"Your role ({authority.role or 'none'}) cannot create a key with the "
+            f"{', '.join(repr(s) for s in beyond)} scope{'s' if len(beyond) > 1 else ''}: "
+            "a key never carries more authority than the person who made it.",
+            param="scopes")
+
+
 def api_key_create(
     *, project: Project, name: str, scopes: Iterable[str],
     allowed_models: Iterable[str] = (), expires_at: datetime | None = None,
-    created_by: User | None = None,
+    acting_user: Any = None,
 ) -> tuple[ApiKey, str]:
-    """Create a key; return it with its secret, which is never available again."""
+    """Create a key; return it with its secret, which is never available again.
+
+    The scopes must be within what the actor's role may grant (``SCOPE_PERMISSIONS``); the
+    key is recorded as made by the person who answers for the actor (for a key, its maker).
+    """
     scopes = sorted(set(scopes))
     if not scopes:
         raise InvalidRequest("Choose at least one scope.", param="scopes")
     unknown = set(scopes) - set(Scope.values)
     if unknown:
         raise InvalidRequest(f"Unknown scopes: {', '.join(sorted(unknown))}.", param="scopes")
+    authority = authority_of(organization_id=project.organization_id, acting_user=acting_user)
+    if not authority.can("keys.write"):
+        raise Forbidden(f"Your role ({authority.role or 'none'}) cannot create keys.")
+    _refuse_scopes_beyond(authority, scopes)
     if project.status != ProjectStatus.ACTIVE:
         raise InvalidRequest("The project is archived.", param="project")
     if expires_at is not None and expires_at <= timezone.now():
@@ -141,8 +225,11 @@ def api_key_create(
                     organization=project.organization, project=project, name=name.strip(),
                     prefix=prefix, secret_hash=sha256_hex(secret), scopes=scopes,
                     allowed_models=sorted(set(allowed_models)), expires_at=expires_at,
-                    created_by=created_by,
+                    created_by=authority.person,
                 )
+                audit_record(acting_user=acting_user, organization=project.organization,
+                             action="api_key.create", target=key.public_id,
+                             after=_key_state(key))
         except IntegrityError:
             continue  # prefix collision: astronomically rare, try another
         return key, f"tg-{prefix}_{secret}"
@@ -150,14 +237,47 @@ def api_key_create(
 
 
 @transaction.atomic
-def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+def api_key_revoke(*, api_key: ApiKey, acting_user: Any = None) -> ApiKey:
     """Revoke a key; from the moment this commits, every request with it gets 401."""
-    if api_key.revoked_at is None:
-        api_key.revoked_at = timezone.now()
-        api_key.save(update_fields=["revoked_at"])
-    prefix = api_key.prefix
-    transaction.on_commit(lambda: keycache.invalidate([prefix]))
+    api_keys_revoke(keys=[api_key], acting_user=acting_user)
     return api_key
+
+
+@transaction.atomic
+def api_keys_revoke(*, keys: Iterable[ApiKey], acting_user: Any, reason: str = "") -> int:
+    """Revoke these keys (one audit row each); return how many were still active."""
+    now = timezone.now()
+    keys = list(keys)
+    fresh = [key for key in keys if key.revoked_at is None]
+    for key in fresh:
+        key.revoked_at = now
+        key.save(update_fields=["revoked_at"])
+        audit_record(acting_user=acting_user, organization=key.organization_id,
+                     action="api_key.revoke", target=key.public_id,
+                     after={"revoked_at": now.isoformat(), **({"reason": reason} if reason
+                                                             else {})})
+    # Also for keys already revoked: a repeated revoke re-asserts the cache, never loosens it.
+    api_key_cache_refresh(prefixes=[key.prefix for key in keys])
+    return len(fresh)
+
+
+def api_key_saved(*, api_key: ApiKey, before: dict[str, Any] | None, acting_user: Any) -> None:
+    """Record a key changed outside the services (the Django admin) and apply it at once."""
+    after = _key_state(api_key)
+    api_key_cache_refresh(prefixes=[api_key.prefix])
+    changed = {k for k in after if before is None or before.get(k) != after[k]}
+    if changed:
+        action = ("api_key.revoke" if changed == {"revoked_at"} and api_key.revoked_at
+                  else "api_key.update")
+        audit_record(acting_user=acting_user, organization=api_key.organization_id,
+                     action=action, target=api_key.public_id,
+                     before={k: before[k] for k in changed} if before else None,
+                     after={k: after[k] for k in changed})
+
+
+def api_key_state(api_key: ApiKey) -> dict[str, Any]:
+    """Return the audited fields of a key (the Django admin's "before")."""
+    return _key_state(api_key)
 
 
 def api_key_last_used_flush() -> int:
@@ -169,31 +289,42 @@ def api_key_last_used_flush() -> int:
     return len(pending)
 
 
-def _check_role_change(*, acting_role: str, old_role: str | None, new_role: str) -> None:
+def _check_role_change(*, authority: Authority, old_role: str | None, new_role: str) -> None:
     if new_role not in Role.values:
         raise InvalidRequest(f"Unknown role {new_role!r}.", param="role")
-    if Role.OWNER in (new_role, old_role) and acting_role != Role.OWNER:
+    if not authority.can("members.write"):
+        raise Forbidden(f"Your role ({authority.role or 'none'}) cannot change members.")
+    if Role.OWNER in (new_role, old_role) and not authority.is_owner:
         raise Forbidden("Only an owner can grant or change the owner role.")
 
 
 @transaction.atomic
 def member_invite(
-    *, organization: Organization, email: str, role: str, invited_by: User, acting_role: str,
+    *, organization: Organization, email: str, role: str, acting_user: User,
 ) -> tuple[Invitation, str]:
-    """Invite ``email`` with ``role``; email them a link. Return the invitation and token."""
-    _check_role_change(acting_role=acting_role, old_role=None, new_role=role)
+    """Invite ``email`` with ``role``; email them a link. Return the invitation and token.
+
+    Only the person at ``email`` can accept it (``invitation_accept``).
+    """
+    if not isinstance(acting_user, User):
+        raise Forbidden("Invitations are sent by a person, not a key.")
+    authority = authority_of(organization_id=organization.pk, acting_user=acting_user)
+    _check_role_change(authority=authority, old_role=None, new_role=role)
     email = email.strip().lower()
     if Membership.objects.filter(organization=organization, user__email=email).exists():
         raise Conflict(f"{email} is already a member.", param="email")
     token = secrets.token_urlsafe(32)
     invitation = Invitation.objects.create(
         organization=organization, email=email, role=role, token_hash=sha256_hex(token),
-        invited_by=invited_by, expires_at=timezone.now() + INVITATION_TTL,
+        invited_by=acting_user, expires_at=timezone.now() + INVITATION_TTL,
     )
+    audit_record(acting_user=acting_user, organization=organization, action="member.invite",
+                 target=email, after={"email": email, "role": role,
+                                      "expires_at": invitation.expires_at.isoformat()})
     link = f"{settings.PUBLIC_URL}/console/invitations/{token}/"
     transaction.on_commit(lambda: send_mail(
         subject=f"You are invited to {organization.name} on Tollgate",
-        message=f"{invited_by.email} invited you to join {organization.name} as {role}.\n\n"
+        message=f"{acting_user.email} invited you to join {organization.name} as {role}.\n\n"
                 f"Accept within 7 days: {link}\n",
         from_email=None, recipient_list=[email],
     ))
@@ -202,20 +333,30 @@ def member_invite(
 
 @transaction.atomic
 def invitation_accept(*, token: str, user: User) -> Membership:
-    """Turn a valid invitation into a membership of ``user``."""
+    """Turn a valid invitation into a membership of ``user``, who must hold its email.
+
+    The token alone is not enough: a forwarded or leaked link cannot add anyone else.
+    """
     invitation = (
-        Invitation.objects.select_for_update()
+        Invitation.objects.select_for_update().select_related("organization")
         .filter(token_hash=sha256_hex(token), accepted_at__isnull=True,
                 expires_at__gt=timezone.now())
         .first()
     )
     if invitation is None:
         raise NotFound("This invitation is invalid, used or expired.")
-    membership, _ = Membership.objects.get_or_create(
+    if user.email.strip().lower() != invitation.email.strip().lower():
+        raise Forbidden("This invitation was sent to another email address. Sign in with "
+                        "the address it was sent to, or ask for an invitation to yours.")
+    membership, created = Membership.objects.get_or_create(
         user=user, organization=invitation.organization, defaults={"role": invitation.role}
     )
     invitation.accepted_at = timezone.now()
     invitation.save(update_fields=["accepted_at"])
+    if created:
+        audit_record(acting_user=user, organization=invitation.organization,
+                     action="member.join", target=user.email,
+                     after={"role": membership.role, "invitation": invitation.pk})
     return membership
 
 
@@ -225,26 +366,62 @@ def _owners_left(organization: Organization, excluding: Membership) -> int:
     )
 
 
+def member_keys_reconcile(*, user: User, organization: Organization, role: str | None,
+                          acting_user: Any) -> int:
+    """Revoke ``user``'s keys in ``organization`` that ``role`` could not make (all of them
+    when ``role`` is None: the member left). Return how many were revoked.
+
+    Keys belong to the person who made them, not to the project: a key must not outlive its
+    maker's standing, or leaving the organization (or a demotion) would keep their authority.
+    """
+    allowed = scopes_grantable(role) if role else frozenset()
+    keys = [key for key in ApiKey.objects.select_for_update()
+            .filter(organization=organization, created_by=user, revoked_at__isnull=True)
+            if not set(key.scopes) <= allowed]
+    why = "member removed" if role is None else f"member is now {role}"
+    return api_keys_revoke(keys=keys, acting_user=acting_user, reason=why)
+
+
 @transaction.atomic
-def member_set_role(*, membership: Membership, role: str, acting_role: str) -> Membership:
-    """Change a member's role; an organization always keeps at least one owner."""
-    _check_role_change(acting_role=acting_role, old_role=membership.role, new_role=role)
+def member_set_role(*, membership: Membership, role: str, acting_user: Any) -> Membership:
+    """Change a member's role; an organization always keeps at least one owner.
+
+    Keys the member made that the new role could not make are revoked.
+    """
+    authority = authority_of(organization_id=membership.organization_id, acting_user=acting_user)
+    _check_role_change(authority=authority, old_role=membership.role, new_role=role)
     Organization.objects.select_for_update().get(pk=membership.organization_id)
+    membership.refresh_from_db()
     if membership.role == Role.OWNER and role != Role.OWNER and not _owners_left(
         membership.organization, membership
     ):
         raise Conflict("An organization needs at least one owner.", param="role")
+    before = membership.role
     membership.role = role
     membership.save(update_fields=["role"])
+    if before != role:
+        audit_record(acting_user=acting_user, organization=membership.organization,
+                     action="member.role_set", target=membership.user.email,
+                     before={"role": before}, after={"role": role})
+        member_keys_reconcile(user=membership.user, organization=membership.organization,
+                              role=role, acting_user=acting_user)
     return membership
 
 
 @transaction.atomic
-def member_remove(*, membership: Membership, acting_role: str) -> None:
-    """Remove a member; the last owner cannot be removed."""
-    if membership.role == Role.OWNER and acting_role != Role.OWNER:
+def member_remove(*, membership: Membership, acting_user: Any) -> None:
+    """Remove a member and revoke the keys they made; the last owner cannot be removed."""
+    authority = authority_of(organization_id=membership.organization_id, acting_user=acting_user)
+    if not authority.can("members.write"):
+        raise Forbidden(f"Your role ({authority.role or 'none'}) cannot remove members.")
+    if membership.role == Role.OWNER and not authority.is_owner:
         raise Forbidden("Only an owner can remove an owner.")
     Organization.objects.select_for_update().get(pk=membership.organization_id)
     if membership.role == Role.OWNER and not _owners_left(membership.organization, membership):
         raise Conflict("An organization needs at least one owner.")
+    audit_record(acting_user=acting_user, organization=membership.organization,
+                 action="member.remove", target=membership.user.email,
+                 before={"role": membership.role})
+    member_keys_reconcile(user=membership.user, organization=membership.organization,
+                          role=None, acting_user=acting_user)
     membership.delete()

@@ -33,6 +33,14 @@ class ApiKeyForm(forms.Form):
     )
     expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650)
 
+    def __init__(self, *args, grantable: frozenset[str] | None = None, **kwargs) -> None:
+        """``grantable``: the scopes the user's role may put on a key (the others are not
+        offered; the service refuses them anyway)."""
+        super().__init__(*args, **kwargs)
+        if grantable is not None:
+            field = self.fields["scopes"]
+            field.choices = [(v, label) for v, label in Scope.choices if v in grantable]
+
     def clean_allowed_models(self) -> list[str]:
         raw = self.cleaned_data["allowed_models"] or ""
         return [m.strip() for m in raw.split(",") if m.strip()]

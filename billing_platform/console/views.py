@@ -17,6 +17,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing_platform.accounts import services
+from billing_platform.accounts.choices import scopes_grantable
 from billing_platform.accounts.models import ApiKey, Membership, Project
 from billing_platform.accounts.selectors import (
     OrgAccess,
@@ -128,7 +129,8 @@ def _project(access: OrgAccess, project_id: str) -> Project:
 @org_page()
 def api_keys(request: HttpRequest, access: OrgAccess, project_id: str) -> HttpResponse:
     project = _project(access, project_id)
-    form = forms.ApiKeyForm(request.POST or None)
+    grantable = scopes_grantable(access.role)
+    form = forms.ApiKeyForm(request.POST or None, grantable=grantable)
     secret = None
     if request.method == "POST":
         if not access.can("keys.write"):
@@ -142,14 +144,14 @@ def api_keys(request: HttpRequest, access: OrgAccess, project_id: str) -> HttpRe
             days = form.cleaned_data.pop("expires_in_days")
             try:
                 key, secret = services.api_key_create(
-                    project=project, created_by=request.user,
+                    project=project, acting_user=request.user,
                     expires_at=timezone.now() + timedelta(days=days) if days else None,
                     **form.cleaned_data,
                 )
             except DomainError as exc:
                 form.add_error(exc.param if exc.param in form.fields else None, exc.message)
             else:
-                form = forms.ApiKeyForm()
+                form = forms.ApiKeyForm(grantable=grantable)
                 messages.success(request, f"Key {key.name} created. Copy it now: it is "
                                           "shown only once.")
     keys = api_keys_for_project(project_id=project.pk)
@@ -183,7 +185,11 @@ def api_key_revoke(request: HttpRequest, access: OrgAccess, project_id: str,
     project = _project(access, project_id)
     key = get_object_or_404(ApiKey, project=project, public_id=key_id)
     if request.method == "POST":
-        services.api_key_revoke(api_key=key)
+        try:
+            services.api_key_revoke(api_key=key, acting_user=request.user)
+        except DomainError as exc:
+            messages.error(request, exc.message)
+            return redirect("console:api-keys", project_id=project.public_id)
         messages.success(request, f"Key {key.name} revoked. It stopped working immediately.")
         return redirect("console:api-keys", project_id=project.public_id)
     return render(request, "console/api_key_revoke.html", {"project": project, "key": key})
@@ -199,8 +205,7 @@ def members(request: HttpRequest, access: OrgAccess) -> HttpResponse:
         if form.is_valid():
             try:
                 services.member_invite(organization=access.organization,
-                                       invited_by=request.user, acting_role=access.role,
-                                       **form.cleaned_data)
+                                       acting_user=request.user, **form.cleaned_data)
             except DomainError as exc:
                 form.add_error(exc.param if exc.param in form.fields else None, exc.message)
             else:
@@ -223,7 +228,7 @@ def member_role(request: HttpRequest, access: OrgAccess, member_id: int) -> Http
     if form.is_valid():
         try:
             services.member_set_role(membership=membership, role=form.cleaned_data["role"],
-                                     acting_role=access.role)
+                                     acting_user=request.user)
         except DomainError as exc:
             messages.error(request, exc.message)
         else:

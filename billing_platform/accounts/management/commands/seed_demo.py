@@ -31,9 +31,9 @@ class Command(BaseCommand):
         project = org.projects.order_by("created_at").first()
         for old in ApiKey.objects.filter(project=project, name=DEMO_KEY_NAME,
                                          revoked_at__isnull=True):
-            services.api_key_revoke(api_key=old)
+            services.api_key_revoke(api_key=old, acting_user=user)
         _key, secret = services.api_key_create(
-            project=project, name=DEMO_KEY_NAME, created_by=user,
+            project=project, name=DEMO_KEY_NAME, acting_user=user,
             scopes=[Scope.INFERENCE, Scope.BATCH, Scope.USAGE_READ, Scope.ADMIN],
         )
         self.stdout.write(
