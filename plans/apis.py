@@ -34,7 +34,6 @@ from plans.models import (
     Plan,
     PriceBook,
     PriceVersion,
-    QuotaLimit,
     Reservation,
     Subscription,
 )
@@ -404,7 +403,9 @@ class QuoteApi(APIView):
 # --- quotas: limits, budgets, audit ------------------------------------------------------------
 
 class LimitsSerializer(drf_serializers.Serializer):
-    usage_tier = drf_serializers.CharField(required=False, allow_blank=True, default="")
+    usage_tier = drf_serializers.CharField(
+        required=False, allow_blank=True, allow_null=True, default=None,
+        help_text="Staff only (organization row): the usage tier; omit to keep it.")
     rpm = drf_serializers.IntegerField(required=False, allow_null=True, min_value=0,
                                        default=None)
     tpm = drf_serializers.IntegerField(required=False, allow_null=True, min_value=0,
@@ -450,8 +451,12 @@ def _budget_data(budget: Any, *, with_secret: bool) -> dict[str, Any]:
     return data
 
 
-class OrgLimitsApi(OrgScopedView):
-    """GET the effective org limits and every project/key override; PUT the org's own."""
+class OrgLimitsApi(PlansOrgView):
+    """GET the effective org limits and every project/key override; PUT the org's own.
+
+    Members with ``org.write`` set rpm/tpm up to their tier's ceiling; the tier itself is set
+    by Tollgate staff (who reach every organization here, or use the Django admin).
+    """
 
     permission_for = {"GET": "read", "PUT": "org.write"}
 
@@ -474,7 +479,7 @@ class OrgLimitsApi(OrgScopedView):
     def put(self, request: Request, org_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        row = quotas.quota_limit_set(organization=self.org, actor=request.user,
+        row = quotas.quota_limit_set(organization=self.org, acting_user=request.user,
                                      **body.validated_data)
         return Response(_limits_data(row))
 
@@ -491,12 +496,12 @@ class ProjectLimitsApi(OrgScopedView):
                                  param="usage_tier")
         body.validated_data.pop("usage_tier", None)
         row = quotas.quota_limit_set(organization=self.org, project=self.project(project_id),
-                                     actor=request.user, **body.validated_data)
+                                     acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
-        QuotaLimit.objects.filter(project=self.project(project_id),
-                                  api_key__isnull=True).delete()
+        quotas.quota_limit_delete(organization=self.org, project=self.project(project_id),
+                                  acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -514,11 +519,12 @@ class KeyLimitsApi(OrgScopedView):
             raise InvalidRequest("A usage tier is set on the organization only.",
                                  param="usage_tier")
         row = quotas.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
-                                     actor=request.user, **body.validated_data)
+                                     acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
-        QuotaLimit.objects.filter(api_key=self.key(project_id, key_id)).delete()
+        quotas.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
+                                  acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

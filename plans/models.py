@@ -602,6 +602,11 @@ class QuotaLimit(models.Model):
     tpm = models.PositiveBigIntegerField(null=True, blank=True,
                                          help_text="Tokens per minute (prompt + max output).")
     allowed_regions = ArrayField(models.CharField(max_length=40), default=list, blank=True)
+    set_by_role = models.CharField(
+        max_length=16, blank=True,
+        help_text="Role of whoever set this row last ('staff' for staff and the system; blank "
+                  "before this was recorded). A row an owner, admin or staff set (or a blank "
+                  "one) is changed or removed only by someone who may write the org.")
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

@@ -18,8 +18,7 @@ from plans import quotas
 
 class LimitsForm(forms.Form):
     scope = forms.CharField(widget=forms.HiddenInput, initial="org")
-    usage_tier = forms.ChoiceField(required=False, choices=[("", "default")] + [
-        (t, f"{t} ({r:,} RPM, {k:,} TPM)") for t, (r, k) in quotas.USAGE_TIERS.items()])
+    # no usage tier: Tollgate staff set it (Django admin or the staff API), customers cannot
     rpm = forms.IntegerField(required=False, min_value=0, label="Requests / minute")
     tpm = forms.IntegerField(required=False, min_value=0, label="Tokens / minute")
     allowed_regions = forms.CharField(required=False, help_text="Comma-separated; empty: all "
@@ -62,8 +61,7 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
             try:
                 if kind == "limits":
                     quotas.quota_limit_set(
-                        organization=org, project=project, actor=request.user,
-                        usage_tier=data["usage_tier"] if project is None else "",
+                        organization=org, project=project, acting_user=request.user,
                         rpm=data["rpm"], tpm=data["tpm"],
                         allowed_regions=_split(data["allowed_regions"]))
                     messages.success(request, "Limits saved.")

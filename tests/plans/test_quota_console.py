@@ -36,10 +36,17 @@ def test_admin_sets_a_project_budget_and_org_limits_on_the_settings_page(client)
     assert budget.alert_emails == ["a@example.com", "b@example.com"]
 
     r = client.post("/console/settings/", {"kind": "limits", "scope": "org",
-                                           "usage_tier": "tier-2", "rpm": "120"})
+                                           "usage_tier": "tier-5", "rpm": "120"})
     assert r.status_code == 302
     row = QuotaLimit.objects.get(organization=org, project__isnull=True, api_key__isnull=True)
-    assert (row.usage_tier, row.rpm, row.tpm) == ("tier-2", 120, None)
+    # the tier is Tollgate staff's to set: the page offers none and a posted one is ignored
+    assert (row.usage_tier, row.rpm, row.tpm) == ("", 120, None)
+
+    r = client.post("/console/settings/", {"kind": "limits", "scope": "org", "rpm": "999999"},
+                    follow=True)
+    assert "may be at most 5,000" in r.content.decode()
+    row.refresh_from_db()
+    assert row.rpm == 120
 
     page = client.get("/console/settings/").content.decode()
     assert "Project Search" in page and "12.50 USD" in page and "hard" in page
