@@ -426,8 +426,11 @@ def _reactivate_if_settled(organization: Organization) -> None:
 
 def _invoice_state(invoice: Invoice) -> dict[str, str]:
     """The audited view of an invoice's payment state (money as decimal strings)."""
-    return {"status": str(invoice.status), "amount_due": str(invoice.amount_due),
-            "amount_paid": str(invoice.amount_paid), "currency": invoice.currency}
+    def text(value: Decimal) -> str:
+        return str(quantize_money(value, invoice.currency))
+
+    return {"status": str(invoice.status), "amount_due": text(invoice.amount_due),
+            "amount_paid": text(invoice.amount_paid), "currency": invoice.currency}
 
 
 @transaction.atomic
@@ -445,11 +448,13 @@ def invoice_void(*, invoice: Invoice, reason: str = "", acting_user) -> Invoice:
     if invoice.credits_applied > 0:
         credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
                             amount=invoice.credits_applied, currency=invoice.currency,
-                            note=f"Credits returned from void invoice {invoice.number}")
+                            note=f"Credits returned from void invoice {invoice.number}",
+                            acting_user=acting_user)
     audit_record(acting_user=acting_user, organization=invoice.organization_id,
                  action="invoice.void", target=invoice.public_id, before=before,
                  after={**_invoice_state(invoice), "reason": invoice.memo,
-                        "credits_returned": str(invoice.credits_applied)})
+                        "credits_returned": str(quantize_money(invoice.credits_applied,
+                                                               invoice.currency))})
     _reactivate_if_settled(invoice.organization)
     return invoice
 
@@ -484,7 +489,8 @@ def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str,
     note.save(update_fields=["status", "finalized_at", "paid_at"])
     credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
                         amount=amount, currency=invoice.currency,
-                        note=f"Credit note {note.number} for {invoice.number}")
+                        note=f"Credit note {note.number} for {invoice.number}",
+                        acting_user=acting_user)
     audit_record(acting_user=acting_user, organization=invoice.organization_id,
                  action="credit_note.create", target=note.public_id,
                  after={"number": note.number, "corrects": invoice.public_id,

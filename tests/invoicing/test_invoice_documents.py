@@ -12,7 +12,8 @@ from pypdf import PdfReader
 
 from billing_platform.accounts.choices import Role
 from billing_platform.invoicing import rendering, services
-from billing_platform.invoicing.models import Invoice
+from billing_platform.invoicing.choices import LineKind
+from billing_platform.invoicing.models import Invoice, InvoiceLine
 from tests.factories import MembershipFactory, UserFactory, make_billed_org
 from tests.invoicing.conftest import NOV, OCT, record
 
@@ -85,3 +86,26 @@ def test_other_orgs_and_non_billing_roles_see_nothing(invoiced, api_client):
     MembershipFactory(user=developer, organization=org, role=Role.DEVELOPER)
     api_client.force_authenticate(developer)
     assert api_client.get(base).status_code == 403
+
+
+def test_a_stored_draft_is_no_document_on_the_api(catalog, api_client):
+    # given a draft being prepared by hand (its numbers may still change; no number yet)
+    org = make_billed_org(name="Draft Co")
+    draft = Invoice.objects.create(organization=org, currency="USD", period_start=OCT,
+                                   period_end=NOV)
+    InvoiceLine.objects.create(invoice=draft, position=1, kind=LineKind.ADJUSTMENT,
+                               description="Onboarding", amount_precise=Decimal("10.00"),
+                               amount=Decimal("10.00"))
+    owner = UserFactory()
+    MembershipFactory(user=owner, organization=org, role=Role.OWNER)
+    api_client.force_authenticate(owner)
+    base = f"/api/v1/organizations/{org.public_id}/invoices/"
+
+    # then the API serves it as no document at all: not listed, and 404 as JSON, PDF and CSV
+    assert api_client.get(base).json()["data"] == []
+    for suffix in ("", "pdf/", "csv/"):
+        reply = api_client.get(f"{base}{draft.public_id}/{suffix}")
+        assert reply.status_code == 404, suffix
+    # once finalized it is
+    services.invoice_finalize(invoice=draft, enqueue_payment=False)
+    assert api_client.get(f"{base}{draft.public_id}/pdf/").status_code == 200

@@ -24,11 +24,13 @@ from django.utils import timezone
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.selectors import api_key_authenticate
+from billing_platform.audit.models import AuditEvent
+from billing_platform.errors import Conflict
 from billing_platform.invoicing import services, stripe_client
 from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
 from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt, StripeEvent
 from plans import services as plan_services
-from tests.factories import make_billed_org, make_key, make_offering
+from tests.factories import UserFactory, make_billed_org, make_key, make_offering
 from tests.invoicing.conftest import NOV, OCT
 
 WEBHOOK_URL = "/stripe/webhook/"
@@ -331,3 +333,37 @@ def test_a_new_default_card_retries_open_invoices_at_once(
     assert services.invoice_charge(invoice_id=open_invoice.id, now=now) == "succeeded"
     charges = stripe_client.client().v1.charges.list({"customer": customer_id}).data
     assert [c.status for c in charges if c.paid] == ["succeeded"]
+
+
+def test_credit_notes_voids_and_manual_payments_are_audited_with_who_did_them(open_invoice):
+    org = open_invoice.organization
+    finance = UserFactory(email="finance@example.com")
+
+    # a credit note, then a void of the invoice, by a finance person
+    note = services.credit_note_create(invoice=open_invoice, amount=Decimal("20.00"),
+                                       reason="outage", acting_user=finance)
+    services.invoice_void(invoice=open_invoice, reason="billed in error", acting_user=finance)
+    with pytest.raises(Conflict):  # refused: no row for what did not happen
+        services.invoice_void(invoice=open_invoice, acting_user=finance)
+
+    rows = {r.action: r for r in AuditEvent.objects.filter(organization_id=org.id)}
+    assert set(rows) >= {"credit_note.create", "invoice.void"}
+    assert AuditEvent.objects.filter(action="invoice.void").count() == 1
+    created = rows["credit_note.create"]
+    assert (created.actor_user_id, created.target) == (finance.id, note.public_id)
+    assert created.after["amount"] == "20.00" and created.after["corrects"] == (
+        open_invoice.public_id)
+    voided = rows["invoice.void"]
+    assert voided.actor_label == "finance@example.com"
+    assert (voided.before["status"], voided.after["status"]) == ("open", "void")
+    assert voided.after["reason"] == "billed in error"
+
+
+def test_a_payment_recorded_by_hand_is_audited_with_who_recorded_it(open_invoice):
+    finance = UserFactory(email="books@example.com")
+    services.invoice_mark_paid(invoice=open_invoice, acting_user=finance)
+    (row,) = AuditEvent.objects.filter(action="invoice.mark_paid")
+    assert (row.actor_user_id, row.target) == (finance.id, open_invoice.public_id)
+    assert row.organization_id == open_invoice.organization_id
+    assert (row.before["status"], row.after["status"]) == ("open", "paid")
+    assert row.after["amount_paid"] == "200.00"
