@@ -720,19 +720,22 @@ def _payment_intent_succeeded(intent: dict, *, attempt: PaymentAttempt, invoice:
     received = intent.get("amount_received")
     currency = str(intent.get("currency") or "").upper()
     due = to_minor_units(invoice.amount_due, invoice.currency)
-    problem = ""
+    def minor(value: object) -> str:
+        return _money_minor_text(value, invoice.currency)
+
+    code, problem = "", ""
     if currency != invoice.currency.upper():
-        problem = (f"received {currency or 'no currency'}, the invoice is in "
-                   f"{invoice.currency}")
+        code = "currency_mismatch"
+        problem = f"received {currency or 'no currency'}, the invoice is in {invoice.currency}"
     elif received != due or isinstance(received, bool):
-        problem = (f"received {_money_minor_text(received, invoice.currency)} of "
-                   f"{_money_minor_text(due, invoice.currency)} due")
+        code, problem = "amount_mismatch", f"received {minor(received)} of {minor(due)} due"
     elif invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE,
                                 InvoiceStatus.PAID):
+        code = "invoice_not_payable"
         problem = f"received the amount due of a {invoice.status} invoice"
     if problem:
         attempt.status = PaymentStatus.NEEDS_REVIEW
-        attempt.failure_code = "amount_mismatch" if "due" in problem else "invoice_not_payable"
+        attempt.failure_code = code
         attempt.failure_message = problem[:500]
         attempt.updated_at = now
         attempt.save(update_fields=["status", "failure_code", "failure_message", "updated_at"])

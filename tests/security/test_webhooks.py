@@ -212,3 +212,25 @@ def test_unsigned_bodies_are_not_stored_and_an_oversized_one_is_refused_unread(
     assert rejected.outcome.startswith("rejected")
     open_invoice.refresh_from_db()
     assert open_invoice.status == InvoiceStatus.OPEN
+
+
+def test_money_received_for_an_invoice_voided_meanwhile_is_left_for_finance(open_invoice, client):
+    # given our charge went through, then finance voided the invoice before Stripe's webhook
+    _set_default_card(open_invoice.organization, "pm_card_visa")
+    assert services.invoice_charge(invoice_id=open_invoice.id) == "succeeded"
+    services.invoice_void(invoice=open_invoice, reason="billed in error", acting_user=None)
+    attempt = PaymentAttempt.objects.get()
+    intent = stripe_client.payment_intent_retrieve(attempt.stripe_payment_intent_id).to_dict()
+    body = _event("evt_void_1", "payment_intent.succeeded", intent)
+
+    assert _post(client, body, _signed(body)).status_code == 200
+
+    # then the void stands and the payment (to refund, or to apply elsewhere) awaits finance
+    open_invoice.refresh_from_db()
+    assert open_invoice.status == InvoiceStatus.VOID
+    attempt.refresh_from_db()
+    assert (attempt.status, attempt.failure_code) == (PaymentStatus.NEEDS_REVIEW,
+                                                      "invoice_not_payable")
+    assert StripeEvent.objects.get(stripe_id="evt_void_1").needs_review
+    assert AuditEvent.objects.filter(action="payment.review",
+                                     target=open_invoice.public_id).exists()
