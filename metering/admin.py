@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from metering.models import UsageDeadLetter, UsageEvent, UsageRollupHourly
+from metering.models import UsageDeadLetter, UsageEvent, UsageIdConflict, UsageRollupHourly
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -39,3 +39,11 @@ class UsageRollupHourlyAdmin(ReadOnlyAdmin):
 class UsageDeadLetterAdmin(ReadOnlyAdmin):
     list_display = ["id", "origin", "error", "created_at", "resolved_at"]
     list_filter = ["origin"]
+
+
+@admin.register(UsageIdConflict)
+class UsageIdConflictAdmin(ReadOnlyAdmin):
+    list_display = ["request_id", "organization_id", "source", "reported_by", "attempts",
+                    "first_seen_at", "last_seen_at"]
+    list_filter = ["source"]
+    search_fields = ["=request_id", "=reported_by"]

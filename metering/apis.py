@@ -95,8 +95,10 @@ class UsageEventIngestApi(APIView):
         description="Up to 10,000 events per call. Each event is validated on its own: invalid "
                     "ones come back in `errors` with their index, the valid ones are recorded. "
                     "An event whose id was recorded before is reported as `duplicate` and "
-                    "changes nothing, so a retried call is safe. Events are rated at their "
-                    "`event_time`.",
+                    "changes nothing, so a retried call is safe. Your ids are your own: they "
+                    "never meet the platform's request ids (`req_...` of /v1 requests and "
+                    "batch lines); an event that reports one is refused (`id_conflict`) and "
+                    "the attempt is kept for review. Events are rated at their `event_time`.",
     )
     def post(self, request: Request) -> Response:
         body = s.UsageEventBatchSerializer(data=request.data)
@@ -132,7 +134,8 @@ class UsageEventIngestApi(APIView):
                                "errors": _field_errors(exc)})
 
         try:
-            result = services.usage_events_record([ev for _, ev in valid], origin="api")
+            result = services.usage_events_record_external(
+                [ev for _, ev in valid], reported_by=_reporter(request))
         except TRANSIENT as exc:
             if isinstance(exc, DatabaseError):
                 close_broken_connection(exc)
@@ -140,17 +143,26 @@ class UsageEventIngestApi(APIView):
                 "Usage could not be recorded right now; retry the same call.") from exc
         recorded = set(result.recorded)
         dead = set(result.dead_lettered)
+        conflicts = set(result.conflicts)
         data = []
         for index, ev in valid:
+            own_id = events.caller_event_id(ev.request_id)
+            if ev.key in conflicts:
+                errors.append({"index": index, "id": own_id, "code": "id_conflict",
+                               "errors": {"id": [
+                                   "This is a request id of the platform's own (an event it "
+                                   "meters itself), not an id of yours; the event was not "
+                                   "recorded and the attempt was logged."]}})
+                continue
             if ev.key in dead:
-                errors.append({"index": index, "id": ev.request_id, "code": "not_rated",
+                errors.append({"index": index, "id": own_id, "code": "not_rated",
                                "errors": {"non_field_errors": [
                                    "The event could not be rated (is the model priced?); it "
                                    "is kept for review and can be sent again."]}})
                 continue
             status = "recorded" if ev.key in recorded else "duplicate"
             recorded.discard(ev.key)  # a repeated id inside one call is a duplicate
-            data.append({"index": index, "id": ev.request_id, "status": status})
+            data.append({"index": index, "id": own_id, "status": status})
         errors.sort(key=lambda err: err["index"])
         out = {
             "object": "usage.ingest_result",
@@ -159,6 +171,11 @@ class UsageEventIngestApi(APIView):
             "rejected": len(errors), "data": data, "errors": errors,
         }
         return Response(s.UsageEventBatchResultSerializer(out).data)
+
+
+def _reporter(request: Request) -> str:
+    principal = getattr(request.user, "principal", None)
+    return principal.key_public_id if principal is not None else str(request.user)
 
 
 def _id_of(item: Any) -> str | None:
@@ -186,7 +203,7 @@ def _to_event(e: dict, *, org: Organization, caller: UsageCaller, projects: dict
     else:
         raise InvalidRequest("project is required.", param="project")
     return events.normalize(events.UsageEventData(
-        request_id=e["id"], org_id=org.id, project_id=project_id,
+        request_id=events.external_request_id(e["id"]), org_id=org.id, project_id=project_id,
         api_key_id=key.id if key else None, model=e["model"], region=e["region"],
         data_zone=org.data_zone, engine=e["engine"], service_tier=e["service_tier"],
         capacity_source=e["capacity_source"], prompt_tokens=e["prompt_tokens"],

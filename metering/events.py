@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -22,7 +24,15 @@ TIERS = frozenset(ServiceTier.values)
 SOURCES = frozenset(CapacitySource.values)
 STATUSES = frozenset(EventStatus.values)
 ORIGINS = frozenset(EventSource.values)
-MAX_ID = 128
+MAX_ID = 128  # an id as its issuer wrote it (a platform request id, a caller's event id)
+# Each source has its own id space. The platform issues its ids itself (gateway requests,
+# batch lines): "req_" and 128 bits from the OS's CSPRNG, so nobody can guess one before it
+# is used. Ids reported through the usage API are the caller's own and are stored under
+# EXTERNAL_PREFIX, so no external event can ever take the key of a platform event, however
+# it spells its id (see ``normalize``).
+EXTERNAL_PREFIX = "ext:"
+MAX_KEY = MAX_ID + len(EXTERNAL_PREFIX)  # a stored request id
+PLATFORM_ID = re.compile(r"req_[0-9a-f]{32}")
 MAX_TOKENS = 2**53  # far beyond any context window; keeps sums inside bigint
 MAX_MS = 2**31 - 1
 # Events are accepted back to this far in the past (batch imports, late spool replays) and
@@ -59,8 +69,28 @@ class UsageEventData:
 
     @property
     def key(self) -> tuple[int, str]:
-        """Return the idempotency key: (organization id, request id)."""
+        """Return the idempotency key: (organization id, request id in its source's space)."""
         return (self.org_id, self.request_id)
+
+
+def new_request_id() -> str:
+    """Return a fresh, unguessable platform request id (``req_`` and 32 random hex digits)."""
+    return f"req_{secrets.token_hex(16)}"
+
+
+def external_request_id(event_id: str) -> str:
+    """Return the stored request id of an event id reported through the usage API."""
+    return EXTERNAL_PREFIX + event_id
+
+
+def caller_event_id(request_id: str) -> str:
+    """Return a stored request id as its issuer wrote it (an external event's own id)."""
+    return request_id.removeprefix(EXTERNAL_PREFIX)
+
+
+def looks_like_platform_id(event_id: str) -> bool:
+    """Return whether an id has the form of one the platform issues itself."""
+    return PLATFORM_ID.fullmatch(event_id) is not None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(UsageEventData))
@@ -154,8 +184,18 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
                              param="cost_to_serve")
     api_key_id = get("api_key_id")
     batch_id = get("batch_id")
+    external = origin == EventSource.EXTERNAL
+    request_id = _text(get("request_id"), "request_id",
+                       max_length=MAX_KEY if external else MAX_ID)
+    # The id spaces of the sources never meet: an external event's id is in the external
+    # namespace, and no other event's is.
+    if external != (request_id.startswith(EXTERNAL_PREFIX)
+                    and len(request_id) > len(EXTERNAL_PREFIX)):
+        raise InvalidRequest(
+            f"request_id: ids of external events, and only theirs, start with "
+            f"{EXTERNAL_PREFIX!r} (metering.events.external_request_id).", param="request_id")
     return UsageEventData(
-        request_id=_text(get("request_id"), "request_id", max_length=MAX_ID),
+        request_id=request_id,
         org_id=_int(get("org_id"), "org_id", upper=2**63 - 1),  # type: ignore[arg-type]
         project_id=_int(get("project_id"), "project_id", upper=2**63 - 1),  # type: ignore[arg-type]
         api_key_id=_int(api_key_id, "api_key_id", upper=2**63 - 1, null=True),

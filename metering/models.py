@@ -5,6 +5,10 @@ partitions are created by SQL in the migrations and by ``metering.partitions``; 
 below describes the columns). A unique constraint on a partitioned table must include the
 partition key, so exact idempotency lives in ``usage_event_id``: one row per (organization,
 request id), inserted with ``ON CONFLICT DO NOTHING`` in the same transaction as the event.
+Each source has its own id space: the platform's ids (gateway requests, batch lines) are its
+own unguessable ``req_...``, and ids reported through the usage API are stored as
+``ext:<id>`` (``metering.events``), so an external event can never take a platform event's key.
+An external event that tries to is refused and kept in ``usage_id_conflict``.
 
 Token counts are tokens; ``amount`` and ``cost_to_serve`` keep 10 decimal places in the rated
 currency (cost-to-serve in the platform's currency, USD). Timings are milliseconds.
@@ -24,6 +28,7 @@ from django.db.models.functions import Now
 
 from billing_platform.accounts.models import ApiKey, Organization, Project
 from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
+from metering.events import MAX_KEY
 
 AMOUNT = {"max_digits": 28, "decimal_places": 10}
 
@@ -43,7 +48,9 @@ class UsageEvent(models.Model):
     """
 
     id = models.BigAutoField(primary_key=True)
-    request_id = models.CharField(max_length=128, help_text="Idempotency key, unique per org.")
+    request_id = models.CharField(
+        max_length=MAX_KEY,
+        help_text="Idempotency key, unique per org; external events' ids are stored as ext:<id>.")
     organization = _fk(Organization)
     project = _fk(Project)
     api_key = _fk(ApiKey, null=True, blank=True)
@@ -96,7 +103,7 @@ class UsageEventId(models.Model):
     pk = models.CompositePrimaryKey("organization_id", "request_id")
     organization_id = models.BigIntegerField()
     # byte order: ids are opaque, and the key is compared on every insert of every event
-    request_id = models.CharField(max_length=128, db_collation="C")
+    request_id = models.CharField(max_length=MAX_KEY, db_collation="C")
     event_time = models.DateTimeField(help_text="Locates the event's partition.")
 
     class Meta:
@@ -193,3 +200,34 @@ class UsageDeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"dead letter {self.pk} ({self.origin})"
+
+
+class UsageIdConflict(models.Model):
+    """An event that claimed the request id of another source's event; it was not recorded.
+
+    The usage API refuses an external event whose id is a platform request id (one that was
+    metered, or one of the platform's form: it was read off a response before its usage
+    landed). The platform's event keeps its key either way; this row is what an operator (or
+    finance) sees of the attempt: who tried which id, how often, and the event as reported.
+    """
+
+    organization = _fk(Organization)
+    request_id = models.CharField(max_length=MAX_KEY, help_text="The id the event claimed.")
+    source = models.CharField(max_length=16, choices=EventSource.choices,
+                              help_text="The source that claimed it.")
+    reason = models.TextField()
+    reported_by = models.CharField(max_length=254, blank=True,
+                                   help_text="The API key or user that reported the event.")
+    payload = models.JSONField(help_text="The last conflicting event, as reported.")
+    attempts = models.PositiveIntegerField(default=1)
+    first_seen_at = models.DateTimeField(db_default=Now())
+    last_seen_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "usage_id_conflict"
+        constraints = [models.UniqueConstraint(fields=["organization", "request_id", "source"],
+                                               name="usage_id_conflict_key")]
+        indexes = [models.Index(fields=["-last_seen_at"], name="usage_id_conflict_recent")]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} claimed by {self.source} ({self.attempts}x)"

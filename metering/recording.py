@@ -126,11 +126,14 @@ class RecordResult:
     recorded: list[Key] = field(default_factory=list)
     duplicates: list[Key] = field(default_factory=list)
     dead_lettered: list[Key] = field(default_factory=list)
+    # refused: they claimed another source's request id (see ``UsageIdConflict``)
+    conflicts: list[Key] = field(default_factory=list)
 
     def merge(self, other: RecordResult) -> RecordResult:
         self.recorded += other.recorded
         self.duplicates += other.duplicates
         self.dead_lettered += other.dead_lettered
+        self.conflicts += other.conflicts
         return self
 
 

@@ -14,7 +14,8 @@ class ExternalUsageEventSerializer(serializers.Serializer):
     """One usage event reported by an engine outside the fleet. Tokens are the engine's."""
 
     id = serializers.CharField(max_length=MAX_ID, help_text="Your event id: the idempotency "
-                               "key. A second event with the same id is a duplicate.")
+                               "key, in a namespace of your own. A second event with the same "
+                               "id is a duplicate; a platform request id (req_...) is refused.")
     project = serializers.CharField(required=False, help_text="Project id (proj_...). Defaults "
                                     "to the calling key's project, or the key's project when "
                                     "api_key is given.")
@@ -75,7 +76,7 @@ class UsageEventOutcomeSerializer(serializers.Serializer):
 class UsageEventErrorSerializer(serializers.Serializer):
     index = serializers.IntegerField()
     id = serializers.CharField(allow_null=True)
-    code = serializers.CharField()
+    code = serializers.CharField(help_text="invalid | not_rated | id_conflict")
     errors = serializers.DictField(help_text="field -> messages")
 
 

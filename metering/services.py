@@ -14,22 +14,30 @@ duplicate wherever the two meet. When even the spool cannot be written it raises
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import redis
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
+from prometheus_client import Counter
 
 from billing_platform.errors import DomainError, InvalidRequest
 from metering import conf, events, partitions, recording, spool, stream
 from metering.events import UsageEventData
-from metering.models import UsageDeadLetter
+from metering.models import UsageDeadLetter, UsageEventId
 from metering.recording import RecordResult
 
 log = logging.getLogger(__name__)
+
+ID_CONFLICTS = Counter(
+    "tollgate_usage_id_conflicts_total",
+    "Usage events refused for claiming another source's request id (see usage_id_conflict).",
+    ["source"],
+)
 
 AppendPath = Literal["redis", "postgres", "spool"]
 
@@ -124,6 +132,82 @@ async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> Appe
 def usage_events_record(event_list: Sequence[UsageEventData], *, origin: str) -> RecordResult:
     """Record already-validated events in PostgreSQL now, exactly once; say what happened."""
     return recording.record_events(event_list, origin=origin)
+
+
+def _platform_id_claims(event_list: Sequence[UsageEventData]
+                        ) -> dict[recording.Key, tuple[UsageEventData, str]]:
+    """Return the external events whose own id is a platform request id, with why."""
+    claims: dict[recording.Key, tuple[UsageEventData, str]] = {}
+    unchecked: dict[tuple[int, str], UsageEventData] = {}
+    for ev in event_list:
+        own = events.caller_event_id(ev.request_id)
+        if events.looks_like_platform_id(own):
+            # read off a response (x-request-id, a batch output line) before, or after, the
+            # platform metered it: either way it is not this caller's id to report
+            claims[ev.key] = (ev, "has the form of a platform request id")
+        elif not own.startswith(events.EXTERNAL_PREFIX):  # that one is an external event's
+            unchecked.setdefault((ev.org_id, own), ev)
+    if unchecked:
+        taken = UsageEventId.objects.filter(
+            organization_id__in={org for org, _ in unchecked},
+            request_id__in={own for _, own in unchecked},
+        ).values_list("organization_id", "request_id")
+        for key in taken:
+            if key in unchecked:
+                ev = unchecked[key]
+                claims[ev.key] = (ev, "is the request id of an event the platform metered")
+    return claims
+
+
+UPSERT_CONFLICT = """
+INSERT INTO usage_id_conflict (organization_id, request_id, source, reason, reported_by,
+                               payload, attempts, first_seen_at, last_seen_at)
+VALUES (%s, %s, %s, %s, %s, %s, 1, now(), now())
+ON CONFLICT ON CONSTRAINT usage_id_conflict_key DO UPDATE SET
+    attempts = usage_id_conflict.attempts + 1, last_seen_at = now(),
+    reason = EXCLUDED.reason, reported_by = EXCLUDED.reported_by, payload = EXCLUDED.payload
+"""
+
+
+def _event_json(ev: UsageEventData) -> str:
+    return json.dumps({name: getattr(ev, name) for name in events.FIELDS}, default=str)
+
+
+def _id_conflicts_record(claims: dict[recording.Key, tuple[UsageEventData, str]], *,
+                         reported_by: str) -> None:
+    """Keep each refused claim in ``usage_id_conflict``, log it and count it."""
+    rows = []
+    for ev, reason in claims.values():
+        own = events.caller_event_id(ev.request_id)
+        log.warning("usage event %r of organization %s refused: its id %s (reported by %s)",
+                    own, ev.org_id, reason, reported_by or "unknown")
+        ID_CONFLICTS.labels(source=ev.source).inc()
+        rows.append((ev.org_id, own, ev.source, f"The id {reason}.", reported_by[:254],
+                     _event_json(ev)))
+    rows.sort(key=lambda r: (r[0], r[1]))  # concurrent callers lock rows in one order
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.executemany(UPSERT_CONFLICT, rows)
+
+
+def usage_events_record_external(event_list: Sequence[UsageEventData], *, reported_by: str = ""
+                                 ) -> RecordResult:
+    """Record events reported through the usage API; refuse those claiming a platform id.
+
+    The events' ids are in the external namespace (``events.external_request_id``), so they
+    can never take a platform event's key. An event whose own id is nonetheless a platform
+    request id (one metered for its organization, or one of the platform's form, read off a
+    response whose usage has not landed yet) is an attempt to pass a platform event off as
+    the caller's: it is not recorded, comes back in ``conflicts``, and is kept (with the
+    number of attempts) in ``UsageIdConflict``, logged and counted. The rest is recorded as
+    ``usage_events_record`` does; a retried call is still answered with duplicates.
+    """
+    claims = _platform_id_claims(event_list)
+    if claims:
+        _id_conflicts_record(claims, reported_by=reported_by)
+    rest = [ev for ev in event_list if ev.key not in claims]
+    result = recording.record_events(rest, origin="api") if rest else RecordResult()
+    result.conflicts += list(claims)
+    return result
 
 
 def _decode_or_dead_letter(lines: Iterable[bytes], origin: str) -> list[events.Row]:

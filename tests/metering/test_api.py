@@ -48,7 +48,8 @@ def test_100_duplicate_submissions_of_one_event_make_one_row(live_server, tenant
     # then one submission recorded it, 99 were told it was a duplicate, and one row exists
     statuses = [r["data"][0]["status"] for r in replies]
     assert statuses.count("recorded") == 1 and statuses.count("duplicate") == 99
-    assert UsageEvent.objects.filter(request_id="evt-dup").count() == 1
+    assert {r["data"][0]["id"] for r in replies} == {"evt-dup"}  # the caller's own id back
+    assert UsageEvent.objects.filter(request_id="ext:evt-dup").count() == 1
     assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 1
 
 
@@ -77,7 +78,7 @@ def test_invalid_events_are_reported_by_index_and_the_valid_ones_recorded(api_cl
     assert "project" in data["errors"][3]["errors"]
     assert data["recorded"] == 2 and data["duplicates"] == 1 and data["rejected"] == 5
     # the key's project by default; a named key brings its own project
-    stored = {e.request_id: e for e in UsageEvent.objects.all()}
+    stored = {events.caller_event_id(e.request_id): e for e in UsageEvent.objects.all()}
     assert stored["evt-0"].project_id == tenant.project.id
     assert stored["evt-0"].api_key_id is None and stored["evt-0"].source == "external"
     assert stored["evt-5"].project_id == tenant.project2.id

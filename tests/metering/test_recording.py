@@ -217,3 +217,14 @@ def test_wire_form_round_trips(tenant):
     event = events.normalize(tenant.event("req-wire", batch_id="batch_1", queue_ms=None))
 
     assert events.decode(events.encode(event)) == event
+
+
+def test_an_event_outside_its_sources_id_space_is_refused(tenant):
+    # the external namespace is the usage API's alone, and the usage API has no other
+    for event in (tenant.event("ext:req-1"), tenant.event("req-2", source="external")):
+        with pytest.raises(InvalidRequest) as info:
+            services.usage_event_append(event)
+        assert info.value.param == "request_id"
+
+    assert services.usage_event_append(
+        tenant.event(events.external_request_id("req-2"), source="external")) == "redis"

@@ -8,7 +8,8 @@ ends ``failed`` with line-level ``errors``) -> ``in_progress`` (lines run; see r
 
 Exactly-once: a line's result, its new state and its usage event are written by ONE
 conditional UPDATE (``state = running AND lease_token = ours``), and the event is appended to
-the metering stream afterwards under the line's request id (the stream's idempotency key). A
+the metering stream afterwards under the line's request id (the stream's idempotency key: a
+random platform id given to the line at validation, so nobody can report usage under it). A
 worker killed before the UPDATE leaves a leased line that is claimed again when the lease runs
 out; one killed after it leaves an unmetered line that the next flush appends. Lines that
 failed, expired or were cancelled have no usage event: only completed lines are billed.
@@ -42,6 +43,7 @@ from billing_platform.gateway.models import (
     StoredFile,
 )
 from billing_platform.gateway.validation import parse_chat, parse_completion
+from metering.events import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +264,7 @@ def batch_validate(*, batch_id: int) -> Batch | None:
         else:
             BatchLine.objects.bulk_create(
                 [BatchLine(batch_id=batch.pk, line_no=p.line_no, custom_id=p.custom_id,
-                           body=p.body, request_id=f"{batch.public_id}-{p.line_no}")
+                           body=p.body, request_id=new_request_id())
                  for p in parsed], batch_size=2000)
             Batch.objects.filter(pk=batch.pk).update(
                 status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=model,
