@@ -48,5 +48,8 @@ app.conf.beat_schedule = {
     "invoicing-dunning": {"task": "invoicing.dunning", "schedule": 3600.0},
     "idempotency-prune": {"task": "idempotency.prune", "schedule": 3600.0},
     "invoicing-payments-sync": {"task": "invoicing.payments_sync", "schedule": 900.0},
+    # rated = billed for every org; a run that outlives its slot is dropped, not queued up
+    "invoicing-billing-invariant": {"task": "invoicing.billing_invariant", "schedule": 21600.0,
+                                    "options": {"expires": 21000.0}},
 }
 app.autodiscover_tasks()

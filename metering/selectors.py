@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 
+from django.db import connection
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDay
 
@@ -111,3 +113,32 @@ def usage_event_get(*, org_id: int, request_id: str) -> UsageEvent | None:
         return None
     return UsageEvent.objects.filter(organization_id=org_id, request_id=request_id,
                                      event_time=key.event_time).first()
+
+
+# Whole hours from the rollups (their ``amount`` is the sum of their events' rated amounts, kept
+# in the ingest transaction), the hour an instant cuts from the events themselves.
+_RATED_SQL = """
+SELECT t.org, s.currency, SUM(s.amount)
+  FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, until)
+ CROSS JOIN LATERAL (
+        SELECT r.currency, r.amount FROM usage_rollup_hourly r
+         WHERE r.organization_id = t.org AND r.hour < date_trunc('hour', t.until, 'UTC')
+        UNION ALL
+        SELECT e.currency, e.amount FROM usage_event e
+         WHERE e.organization_id = t.org AND e.event_time >= date_trunc('hour', t.until, 'UTC')
+           AND e.event_time < t.until) s
+ GROUP BY 1, 2
+"""
+
+
+def rated_amounts_before(*, until: Mapping[int, datetime]) -> dict[tuple[int, str], Decimal]:
+    """Return the rated amount of each org's events before its instant, per (org, currency).
+
+    ``until`` maps organization ids to an instant (to the microsecond, not only whole hours).
+    """
+    if not until:
+        return {}
+    orgs = list(until)
+    with connection.cursor() as cur:
+        cur.execute(_RATED_SQL, [orgs, [until[o] for o in orgs]])
+        return {(org, currency): amount for org, currency, amount in cur}

@@ -120,6 +120,18 @@ def periods_due(*, now: datetime | None = None, org_ids: Iterable[int] | None = 
                     now=now or timezone.now(), due_only=True)
 
 
+def periods_open(*, org_ids: Iterable[int] | None = None) -> list[Target]:
+    """Return, per organization (closed ones too), its oldest period without an invoice.
+
+    That is the period its draft bills: the current one, or an ended one not closed yet.
+    """
+    orgs = Organization.objects.all()
+    if org_ids is not None:
+        orgs = orgs.filter(id__in=list(org_ids))
+    return _targets(orgs.order_by("id").values_list("id", "currency", "tax_rate", "created_at"),
+                    now=timezone.now(), due_only=False)
+
+
 # --- period close ------------------------------------------------------------------------------
 
 @dataclass

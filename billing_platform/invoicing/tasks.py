@@ -43,3 +43,14 @@ def dunning_task() -> int:
 def payments_sync_task() -> int:
     """Settle attempts whose webhook never arrived by reading the PaymentIntent."""
     return services.payments_sync()
+
+
+@shared_task(name="invoicing.billing_invariant", **SAFE)
+def billing_invariant_task() -> dict:
+    """Check that every organization's rated usage is billed once; log and publish the rest."""
+    from billing_platform.invoicing.invariants import billing_invariant_report
+
+    differences = billing_invariant_report()
+    return {"orgs": len({d.org_id for d in differences}),
+            "differences": [{"org_id": d.org_id, "currency": d.currency,
+                             "difference": str(d.difference)} for d in differences]}

@@ -1,7 +1,14 @@
-"""Fixtures of the invoicing tests: a priced catalogue and a month of rated usage."""
+"""Fixtures of the invoicing tests: a priced catalogue and a month of rated usage.
+
+Every test here that touches the database ends with the billing invariant: whatever it
+recorded, closed, voided or left open, each organization's rated usage equals what its
+invoices and its draft bill (``billing_invariant_holds``). So the invariant is checked over
+all the data the invoicing suite creates, test by test, before pytest-django rolls it back.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -12,6 +19,25 @@ from tests.gateway.conftest import live_gateway  # noqa: F401
 OCT = datetime(2026, 10, 1, tzinfo=UTC)
 NOV = datetime(2026, 11, 1, tzinfo=UTC)
 DEC = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def billing_invariant_holds(request) -> Iterator[None]:
+    """After each database test: rated = billed for every organization, to the cent."""
+    marker = request.node.get_closest_marker("django_db")
+    names = request.fixturenames
+    if "transactional_db" in names or (marker is not None and marker.kwargs.get("transaction")):
+        request.getfixturevalue("transactional_db")  # torn down (flushed) after this check
+    elif "db" in names or marker is not None:
+        request.getfixturevalue("db")  # rolled back after this check
+    else:
+        yield
+        return
+    yield
+    from billing_platform.invoicing.invariants import billing_invariant_check
+
+    differences = billing_invariant_check()
+    assert differences == [], f"rated usage differs from what is billed: {differences}"
 
 
 @pytest.fixture
