@@ -451,3 +451,58 @@ def test_a_hand_made_draft_is_finalized_with_tax_credits_and_a_number(catalog):
     assert (invoice.subtotal, invoice.tax, invoice.total) == (d("10.01"), d("2.00"), d("11.01"))
     with pytest.raises(Conflict, match="already finalized"):
         services.invoice_finalize(invoice=invoice)
+
+
+def test_periods_between_second_precise_anchors_bill_each_event_once(catalog):
+    # given an org invoiced by calendar month since August, on a plan from Aug 10 14:22:05
+    # (anchored there), then from Sep 25 on a plan anchored at 14:40:00 on the 10th: so one
+    # period runs from Oct 10 14:22:05 to 14:40:00, inside one clock hour
+    org = make_billed_org(name="Anchors", created_at=datetime(2026, 8, 1, tzinfo=UTC))
+    first_anchor = datetime(2026, 8, 10, 14, 22, 5, tzinfo=UTC)
+    second_anchor = datetime(2026, 9, 10, 14, 40, tzinfo=UTC)
+    for code, starts_at, anchor in (("anchor-a", first_anchor, None),
+                                    ("anchor-b", datetime(2026, 9, 25, tzinfo=UTC),
+                                     second_anchor)):
+        plan = plan_services.plan_create(code=code, name=code, kind="on_demand")
+        plan_services.subscription_create(organization=org, plan=plan, starts_at=starts_at,
+                                          billing_anchor=anchor)
+    sep10, oct10, nov10 = (datetime(2026, m, 10, 14, tzinfo=UTC) for m in (9, 10, 11))
+    usage = {  # event time -> input tokens (powers of ten, so each sum names its events)
+        sep10 + timedelta(minutes=10): 1,                # Sep 1 - Sep 10 14:22:05
+        sep10 + timedelta(minutes=22, seconds=5): 10,    # Sep 10 14:22:05 - Oct 10 14:22:05
+        oct10: 100,
+        oct10 + timedelta(minutes=30): 1_000,            # Oct 10 14:22:05 - 14:40:00
+        oct10 + timedelta(minutes=40): 10_000,           # Oct 10 14:40 - Nov 10 14:40
+        oct10 + timedelta(minutes=59): 100_000,
+        nov10 + timedelta(minutes=39, seconds=59): 1_000_000,
+        nov10 + timedelta(minutes=41): 10_000_000,       # the open period: on the draft
+    }
+    for i, (when, tokens) in enumerate(usage.items()):
+        record(org, f"anchors-{i}", when, prompt_tokens=tokens)
+
+    # when every period that has ended closes
+    services.period_close_run(now=nov10 + timedelta(hours=1), enqueue_payments=False)
+
+    # then the periods run anchor to anchor, and each event is on the one holding its time
+    billed = [(inv.period_start, inv.period_end,
+               sum(int(ln.quantity) for ln in inv.lines.filter(kind=LineKind.USAGE)))
+              for inv in Invoice.objects.filter(organization=org).order_by("period_start")]
+    assert billed == [
+        (datetime(2026, 8, 1, tzinfo=UTC), datetime(2026, 9, 1, tzinfo=UTC), 0),
+        (datetime(2026, 9, 1, tzinfo=UTC), sep10 + timedelta(minutes=22, seconds=5), 1),
+        (sep10 + timedelta(minutes=22, seconds=5), oct10 + timedelta(minutes=22, seconds=5),
+         110),
+        (oct10 + timedelta(minutes=22, seconds=5), oct10 + timedelta(minutes=40), 1_000),
+        (oct10 + timedelta(minutes=40), nov10 + timedelta(minutes=40), 1_110_000),
+    ]
+    draft = services.upcoming_invoice(organization=org)
+    assert draft.target.period_start == nov10 + timedelta(minutes=40)
+    assert sum(ln.quantity for ln in draft.lines if ln.kind == LineKind.USAGE) == 10_000_000
+
+    # and an event of the short period that arrives after it closed is late usage, once
+    record(org, "anchors-late", oct10 + timedelta(minutes=35), prompt_tokens=20_000)
+    services.period_close_run(now=nov10 + timedelta(days=30, hours=1), enqueue_payments=False)
+    december = Invoice.objects.get(organization=org, period_start=nov10 + timedelta(minutes=40))
+    (late,) = december.lines.filter(kind=LineKind.LATE_USAGE)
+    assert (late.quantity, late.amount) == (20_000, d("0.02"))
+    assert late.source_period_start == oct10 + timedelta(minutes=22, seconds=5)
