@@ -578,10 +578,16 @@ def prompt_token_bound(prompt_text: str, messages: int) -> int:
 
 def worst_case_micro(pricing: Any, *, tier: str, zone: str, prompt_tokens: int,
                      max_output: int) -> int:
-    """Return the worst-case cost of a request in micro-units (highest band, no cache hit)."""
+    """Return the worst-case cost of a request in micro-units (no cache hit).
+
+    Priced at the dearest band the prompt can reach: a band applies when the prompt exceeds
+    its threshold, and the prompt has at most ``prompt_tokens``, so a band at or above that
+    bound can never apply (pricing every request at the top band made a hard budget stop far
+    short of its limit).
+    """
     if pricing is None:
         return 0
-    sets = [pricing.base, *[p for _, p in pricing.bands]]
+    sets = [pricing.base, *[p for above, p in pricing.bands if prompt_tokens > above]]
     p_in = max(max(s.input, s.cached_input, s.cache_write) for s in sets)
     p_out = max(s.output for s in sets)
     mult = pricing.multiplier(tier, zone)

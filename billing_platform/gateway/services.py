@@ -29,10 +29,10 @@ from plans import admission as quota
 
 # SGLang with --enable-priority-scheduling runs larger priority values first.
 ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10}
-# Output bound set when a request names none, so worst-case reservations are real bounds.
-DEFAULT_MAX_OUTPUT = settings.GATEWAY_DEFAULT_MAX_TOKENS
 # Priority is downgraded when every engine queues this many batches' worth of requests.
 SATURATION_QUEUE_FACTOR = settings.GATEWAY_SATURATION_QUEUE_FACTOR
+# Seconds a client waits before retrying a request no engine in its regions could take.
+NO_CAPACITY_RETRY_S = "5"
 log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -50,20 +50,51 @@ class Served:
     stream: AsyncIterator[bytes] | None = None
 
 
+def model_not_found(model: str) -> GatewayError:
+    """Return the one answer for a model this caller cannot use, whatever the reason.
+
+    A model that does not exist, one the key may not use and one that is offered only in
+    other data zones or regions get the same words: the answer says nothing about where else
+    a model runs.
+    """
+    return GatewayError(404, f"The model '{model}' does not exist or you do not have access "
+                             "to it.", code="model_not_found", param="model")
+
+
 async def allowed_regions_for(principal: KeyPrincipal, model: str) -> set[str] | None:
     """Return the regions this caller's request for ``model`` may run in, or raise 404."""
+    return (await model_access(principal, model))[0]
+
+
+async def model_access(principal: KeyPrincipal, model: str
+                       ) -> tuple[set[str] | None, quota.QuotaPolicy]:
+    """Return the regions of the caller's zone and its quota policy for ``model``, or raise.
+
+    404 for a model that does not exist, that the key may not use, that is offered only in
+    other zones (all three in the same words), or that has no price in force. A model offered
+    in the caller's zone whose engines are all down is not refused here: the engine call
+    answers a retryable 503, and nothing runs outside the zone.
+
+    Nothing is served that cannot be billed: rating needs a price for every event (on demand,
+    token plan and provisioned alike), so an unpriced model's events would be dead-lettered
+    and its worst case would reserve nothing. A price of zero is a price. The policy is the
+    cached one (``quota.apolicy``): this adds no query to a request.
+    """
     fleet = get_fleet()
     await fleet.arefresh_if_stale()
     served = fleet.router.regions_of(model)
     if not served or not principal.may_use_model(model):
-        raise GatewayError(404, f"The model '{model}' does not exist or you do not have "
-                                "access to it.", code="model_not_found", param="model")
+        raise model_not_found(model)
     zone = fleet.regions_in_zone(principal.data_zone)
     if zone is not None and not served & zone:
-        raise GatewayError(404, f"The model '{model}' is not offered in your organization's "
-                                f"data zone ({principal.data_zone}).", code="model_not_found",
-                           param="model")
-    return zone
+        raise model_not_found(model)
+    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
+                                 key_id=principal.key_id, model=model)
+    if policy.pricing is None:
+        raise GatewayError(404, f"The model '{model}' has no price in force for your "
+                                "organization, so it cannot be served.",
+                           code="model_not_found", param="model")
+    return zone, policy
 
 
 async def models_for(principal: KeyPrincipal) -> list[str]:
@@ -195,9 +226,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
                 request_id: str) -> Served:
     """Run one inference request; raise GatewayError for answers that are errors."""
     started = datetime.now(tz=UTC)
-    allowed = await allowed_regions_for(principal, req.model)
-    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
-                                 key_id=principal.key_id, model=req.model)
+    allowed, policy = await model_access(principal, req.model)
     allowed = _narrow(allowed, policy, req.model)
     tier = _serving_tier(req, allowed)
     ticket = await _admit(principal, req, policy, tier=tier, request_id=request_id,
@@ -217,8 +246,11 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     try:
         await call.__aenter__()
     except NoCapacity as exc:
+        # Offered here, but no engine of it is up in the allowed regions: retry, never
+        # served elsewhere.
         await _settle(ticket, None)
-        raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
+        raise _with_headers(GatewayError.from_engine(exc),
+                            {"retry-after": NO_CAPACITY_RETRY_S, **rate_headers}) from exc
     except EngineError as exc:
         await accounting.failed_before_output(call.tried[-1] if call.tried else None)
         raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
@@ -251,9 +283,7 @@ def _narrow(allowed: set[str] | None, policy: quota.QuotaPolicy, model: str
     narrowed = set(policy.allowed_regions) if allowed is None else (
         allowed & policy.allowed_regions)
     if not get_fleet().router.regions_of(model) & narrowed:
-        raise GatewayError(404, f"The model '{model}' is not offered in the regions this API "
-                                f"key may use ({', '.join(sorted(narrowed)) or 'none'}).",
-                           code="model_not_found", param="model")
+        raise model_not_found(model)
     return narrowed
 
 
@@ -295,27 +325,16 @@ def _serving_tier(req: InferenceRequest, allowed: set[str] | None) -> str:
     return tier
 
 
-def _max_output(req: InferenceRequest) -> int:
-    body = req.engine_body
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
-    if value is None:
-        # Bound the output so the worst case (budgets, TPM) is a real bound.
-        value = body["max_tokens"] = DEFAULT_MAX_OUTPUT
-    return int(value)
-
-
 async def _admit(principal: KeyPrincipal, req: InferenceRequest, policy: quota.QuotaPolicy,
                  *, tier: str, request_id: str, allowed: set[str] | None
                  ) -> quota.Ticket | None:
     if policy.provisioned is not None and allowed is not None and (
             policy.provisioned.region not in allowed):
         policy = replace(policy, provisioned=None)
-    messages = len(req.engine_body.get("messages") or ()) or 1
     try:
         return await quota.aadmit(
             policy, request_id=request_id, tier=tier, zone=principal.data_zone,
-            prompt_tokens=quota.prompt_token_bound(req.prompt_text, messages),
-            max_output=_max_output(req))
+            prompt_tokens=req.prompt_bound, max_output=req.max_output)
     except quota.QuotaExceeded as exc:
         raise GatewayError(429, exc.message, code=exc.code, headers=exc.headers) from exc
     except RedisError as exc:

@@ -1,17 +1,64 @@
-"""Validate /v1 request bodies into what the gateway needs, with OpenAI's error params."""
+"""Validate /v1 request bodies into what the gateway needs, with OpenAI's error params.
+
+What reaches an engine is built here, and only from an allow-list: a field the gateway does
+not know could change what the engine generates or whose prompt it reads (SGLang's
+``session_params`` prepend a stored session, ``input_ids`` replace the messages,
+``bootstrap_*`` and ``routed_dp_rank`` pick where it runs, ``return_meta_info`` and
+``custom_params`` reach server internals), so it is refused, never passed on.
+
+Two bounds come out of every body, and admission reserves the worst case from them:
+
+- the output bound: ONE number, sent to the engine in the one field it honours on that
+  endpoint (SGLang's chat reads ``max_completion_tokens`` before ``max_tokens``, its legacy
+  completions only ``max_tokens``); the other field is never forwarded, so the engine cannot
+  generate more than was reserved;
+- the prompt bound: every field the engine renders into the prompt counts (message contents,
+  tool calls and other message fields, ``tools``, a completion's ``suffix``), at least one
+  byte per token; content the gateway cannot bound (images, audio, files) is refused.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
+
 from billing_platform.gateway.errors import invalid
+from plans.admission import prompt_token_bound
 
 SERVICE_TIERS = ("auto", "default", "priority", "flex")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# Fields we never pass through: we set them ourselves or the engine must not see them.
-RESERVED = ("cache_salt", "extra_key", "priority", "rid", "stream_options", "service_tier",
-            "lora_path", "return_hidden_states", "custom_logit_processor")
+
+# Passed to the engine as given: OpenAI's sampling fields and SGLang's sampling extensions.
+# None of them adds to the prompt or lets the engine generate past the output bound.
+_SAMPLING = frozenset({
+    "stream", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop",
+    "logit_bias", "logprobs", "response_format",
+    "top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "stop_regex",
+    "no_stop_trim", "ignore_eos", "skip_special_tokens", "regex", "ebnf",
+})
+CHAT_FIELDS = _SAMPLING | {"messages", "top_logprobs", "tools", "tool_choice",
+                           "parallel_tool_calls", "reasoning_effort", "separate_reasoning",
+                           "stream_reasoning", "chat_template_kwargs"}
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "json_schema"}
+# Read by the gateway itself; the engine gets the gateway's own value (or nothing).
+GATEWAY_FIELDS = frozenset({"model", "stream_options", "service_tier", "n", "max_tokens",
+                            "max_completion_tokens"})
+# OpenAI's informational fields: accepted so clients that send them work, never forwarded.
+DROPPED = frozenset({"metadata", "store", "user", "prompt_cache_key", "safety_identifier"})
+# The engine field that carries the output bound, per endpoint (the one SGLang honours).
+OUTPUT_FIELD = {"chat": "max_completion_tokens", "completion": "max_tokens"}
+# Which of the two fields a client sent is the bound, in the engine's own order.
+OUTPUT_ORDER = {"chat": ("max_completion_tokens", "max_tokens"),
+                "completion": ("max_tokens", "max_completion_tokens")}
+# Chat templates render tools with a fixed preamble (how to call them) and a wrapper around
+# each tool and each tool call; these cover it generously.
+TOOLS_PREAMBLE_TOKENS = 512
+PER_TOOL_TOKENS = 16
+# Content parts whose tokens are their text; any other part (image, audio, file) is refused.
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +70,19 @@ class InferenceRequest:
     service_tier: str           # as asked: auto | default | priority | flex
     prompt_text: str            # for routing (prefix affinity) only
     engine_body: dict[str, Any]
+    prompt_bound: int = 0       # tokens the engine's prompt can have, at most
+    max_output: int = 0         # tokens the engine may generate (sent in OUTPUT_FIELD)
+
+
+def _json_bytes(value: Any) -> int:
+    """Return an upper bound of the bytes a template renders ``value`` into.
+
+    Jinja's ``tojson`` (what chat templates use for tools) writes ASCII-escaped JSON with
+    ``<``, ``>``, ``&`` and ``'`` as six-byte escapes; a raw rendering of the strings inside
+    is never longer than that.
+    """
+    text = json.dumps(value, ensure_ascii=True)
+    return len(text) + 5 * sum(text.count(c) for c in "<>&'")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -35,10 +95,38 @@ def _text_of(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or "type" not in part:
                 raise invalid(f"{where}[{i}] must be an object with a 'type'.", param=where)
-            if part["type"] == "text":
-                parts.append(str(part.get("text", "")))
+            field = TEXT_PARTS.get(part["type"])
+            if field is None:
+                raise invalid(f"{where}[{i}]: content parts of type {part['type']!r} are not "
+                              "supported by this model; send text parts only.",
+                              param=f"{where}[{i}].type", code="unsupported_content")
+            text = part.get(field, "")
+            if not isinstance(text, str):
+                raise invalid(f"{where}[{i}].{field} must be a string.",
+                              param=f"{where}[{i}].{field}")
+            parts.append(text)
         return "".join(parts)
     raise invalid(f"{where} must be a string or an array of content parts.", param=where)
+
+
+def _forwarded(body: dict[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
+    """Return the fields the engine gets as sent; refuse any field not on the allow-list."""
+    out = {}
+    for name, value in body.items():
+        if name in allowed:
+            out[name] = value
+        elif name not in GATEWAY_FIELDS and name not in DROPPED:
+            raise invalid(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
+    return out
+
+
+def _output_bound(body: dict[str, Any], kind: str) -> int:
+    """Return the one output bound: the field the engine would read first, else the default."""
+    for name in OUTPUT_ORDER[kind]:
+        value = body.get(name)
+        if value is not None:
+            return value
+    return settings.GATEWAY_DEFAULT_MAX_TOKENS
 
 
 def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
@@ -80,10 +168,12 @@ def parse_chat(body: Any) -> InferenceRequest:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     model, stream, include_usage, tier = _common(body)
+    engine_body = _forwarded(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty array.", param="messages")
     texts = []
+    extra = 0  # bytes of what the template renders besides the contents
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -92,8 +182,28 @@ def parse_chat(body: Any) -> InferenceRequest:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}.",
                           param=f"{where}.role")
         texts.append(f"{message['role']}: {_text_of(message.get('content'), where + '.content')}")
-    return InferenceRequest("chat", model, stream, include_usage, tier, "\n".join(texts),
-                            {k: v for k, v in body.items() if k not in RESERVED})
+        for name, value in message.items():
+            if name not in ("role", "content") and value is not None:
+                extra += _json_bytes(value)
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            extra += PER_TOOL_TOKENS * len(calls)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("'tools' must be an array.", param="tools")
+        if tools:
+            extra += TOOLS_PREAMBLE_TOKENS + PER_TOOL_TOKENS * len(tools) + _json_bytes(tools)
+    for name in ("tool_choice", "chat_template_kwargs", "response_format"):
+        if body.get(name) is not None:
+            extra += _json_bytes(body[name])
+    max_output = _output_bound(body, "chat")
+    engine_body[OUTPUT_FIELD["chat"]] = max_output
+    prompt_text = "\n".join(texts)
+    return InferenceRequest("chat", model, stream, include_usage, tier, prompt_text,
+                            engine_body, prompt_bound=prompt_token_bound(
+                                prompt_text, len(messages)) + extra,
+                            max_output=max_output)
 
 
 def parse_completion(body: Any) -> InferenceRequest:
@@ -101,12 +211,19 @@ def parse_completion(body: Any) -> InferenceRequest:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     model, stream, include_usage, tier = _common(body)
+    engine_body = _forwarded(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise invalid("'prompt' must be a non-empty string.", param="prompt")
-    engine_body = {k: v for k, v in body.items() if k not in RESERVED}
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise invalid("'suffix' must be a string.", param="suffix")
+    extra = len(suffix.encode()) if suffix else 0
+    max_output = _output_bound(body, "completion")
     engine_body["prompt"] = prompt
+    engine_body[OUTPUT_FIELD["completion"]] = max_output
     return InferenceRequest("completion", model, stream, include_usage, tier, prompt,
-                            engine_body)
+                            engine_body, prompt_bound=prompt_token_bound(prompt, 1) + extra,
+                            max_output=max_output)

@@ -138,11 +138,23 @@ def test_models_are_those_of_the_callers_zone(live_gateway, tmp_path):
                                              .models.list()], timeout=5, what="fleet refresh")
         assert [m.id for m in _client(live_gateway, eu).models.list()] == ["small"]
         assert _client(live_gateway, us).models.retrieve("big-us-only").id == "big-us-only"
-        with pytest.raises(openai.NotFoundError, match="data zone"):
-            _client(live_gateway, eu).chat.completions.create(
-                model="big-us-only", messages=[{"role": "user", "content": "x"}])
+        # the EU org is told what it would be told of a model that does not exist: nothing
+        # says that the model runs in another zone, or where
+        elsewhere = _not_found(_client(live_gateway, eu), "big-us-only")
+        nowhere = _not_found(_client(live_gateway, eu), "no-such-model")
+        assert elsewhere.status_code == nowhere.status_code == 404
+        assert elsewhere.body == {**nowhere.body, "message": nowhere.body["message"].replace(
+            "no-such-model", "big-us-only")}
+        words = set(elsewhere.body["message"].lower().replace(".", " ").split())
+        assert not {"us", "zone", "region", "us-east"} & words, words
     finally:
         big.stop()
+
+
+def _not_found(client: openai.OpenAI, model: str) -> openai.NotFoundError:
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+    return refused.value
 
 
 def test_eu_request_with_eu_engines_down_is_503_and_never_runs_in_the_us(live_gateway):
@@ -154,6 +166,13 @@ def test_eu_request_with_eu_engines_down_is_503_and_never_runs_in_the_us(live_ga
     client = _client(live_gateway, eu)
     us_before = httpx.get(f"{live_gateway.sims['us'].base_url}/sim/stats").json()["requests"]
     wait_until(lambda: _status(client) == 503, timeout=5, what="the fleet view to refresh")
+    # retryable, and it names nothing outside the caller's zone
+    with pytest.raises(openai.InternalServerError) as down:
+        client.chat.completions.create(model="small", messages=[{"role": "user",
+                                                                 "content": "x"}])
+    assert down.value.status_code == 503 and down.value.response.headers["retry-after"]
+    assert "us-east" not in down.value.body["message"] and " us" not in down.value.body[
+        "message"]
     us_after = httpx.get(f"{live_gateway.sims['us'].base_url}/sim/stats").json()["requests"]
     assert us_after == us_before
     assert not UsageEvent.objects.filter(region="us-east").exists()

@@ -54,7 +54,6 @@ RECORD_EVERY = 64  # outcomes written per transaction, at most
 WRITE_AFTER_S = 1.0  # ...or once the oldest unwritten outcome is this old
 PROBE_EVERY_S = 0.2  # how often the engines' load is scraped while a batch runs
 SEND_GRACE_S = 0.01  # probe no sooner than this after starting lines (they must reach engines)
-DEFAULT_MAX_OUTPUT = 4096
 # Admission answers that end the batch: the remaining lines go to the error file unbilled.
 STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded",
               "plan_quota_exhausted"}
@@ -62,17 +61,15 @@ STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded
 
 async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: BatchLine
                  ) -> tuple[quota.Ticket | None, LineOutcome | None]:
-    """Reserve the line's worst case against budgets and token plans (as interactive does)."""
-    body = req.engine_body
-    max_output = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_output is None:
-        max_output = body["max_tokens"] = DEFAULT_MAX_OUTPUT
-    messages = len(body.get("messages") or ()) or 1
+    """Reserve the line's worst case against budgets and token plans (as interactive does).
+
+    The bounds are the validated body's, as on /v1: the output bound is the one the engine is
+    sent (``req.engine_body``), so a line cannot generate past what it reserved.
+    """
     try:
         ticket = await quota.aadmit(
             policy, request_id=line.request_id, tier="batch", zone=principal.data_zone,
-            prompt_tokens=quota.prompt_token_bound(req.prompt_text, messages),
-            max_output=int(max_output))
+            prompt_tokens=req.prompt_bound, max_output=req.max_output)
     except quota.QuotaExceeded as exc:
         if exc.code not in STOP_CODES:
             return None, LineOutcome(line.id, retry=True)  # rate limits: later
@@ -168,7 +165,9 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
     try:
         regions = await allowed_regions_for(principal, batch.model)
     except GatewayError:
-        regions = set()  # the model left the caller's zone: nothing runs; expiry ends it
+        # The model left the caller's zone or has no price in force: nothing runs (nothing
+        # is served that cannot be billed); expiry ends it unless that changes first.
+        regions = set()
     policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
                                  key_id=principal.key_id, model=batch.model)
     # Batch runs on spare shared capacity at the batch tier: never on a provisioned
