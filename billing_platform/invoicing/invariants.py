@@ -173,5 +173,7 @@ class BillingInvariantCollector:
             orgs.add_metric([], state.get("orgs", 0))
             checked.add_metric([], state.get("checked_at", 0))
             for currency, value in sorted(state.get("difference", {}).items()):
+                # Prometheus samples are floats; the exact amounts are in the log and the
+                # task's result.
                 amount.add_metric([currency], float(Decimal(value)))
         return [orgs, checked, amount]
