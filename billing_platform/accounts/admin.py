@@ -68,26 +68,26 @@ class UserAdmin(KeyCacheAwareAdmin, BaseUserAdmin):
     add_fieldsets = [(None, {"classes": ["wide"],
                              "fields": ["email", "password1", "password2"]})]
 
-    def _revoke_keys_of(self, request: HttpRequest, users: QuerySet[User]) -> None:
-        # Deleting a user would leave their keys without a maker (created_by NULL), which reads
-        # as a key the platform made: revoke them first.
-        for membership in Membership.objects.filter(user__in=users).select_related(
-                "user", "organization"):
-            services.member_keys_reconcile(user=membership.user,
-                                           organization=membership.organization, role=None,
-                                           acting_user=request.user)
+    def _revoke_keys_of(self, request: HttpRequest, users: QuerySet[User], reason: str) -> None:
+        # A deleted user's keys would be left without a maker (created_by NULL), which reads
+        # as a key the platform made; a deactivated one has no authority left to lend them.
         services.api_keys_revoke(keys=ApiKey.objects.filter(created_by__in=users,
                                                             revoked_at__isnull=True),
-                                 acting_user=request.user, reason="user deleted")
+                                 acting_user=request.user, reason=reason)
+
+    def save_model(self, request: HttpRequest, obj: User, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        if change and "is_active" in form.changed_data and not obj.is_active:
+            self._revoke_keys_of(request, User.objects.filter(pk=obj.pk), "user deactivated")
 
     def delete_model(self, request: HttpRequest, obj: User) -> None:
         with transaction.atomic():
-            self._revoke_keys_of(request, User.objects.filter(pk=obj.pk))
+            self._revoke_keys_of(request, User.objects.filter(pk=obj.pk), "user deleted")
             super().delete_model(request, obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[User]) -> None:
         with transaction.atomic():
-            self._revoke_keys_of(request, queryset)
+            self._revoke_keys_of(request, queryset, "user deleted")
             super().delete_queryset(request, queryset)
 
 

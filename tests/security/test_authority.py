@@ -189,7 +189,8 @@ class _FormFields(HTMLParser):
             self.fields[name] = a.get("value") or ("on" if a.get("type") == "checkbox" else "")
         elif tag == "select" and name:
             self._select = name
-            self.fields.setdefault(name, "")
+            if "multiple" not in a:  # an empty multiple select sends nothing
+                self.fields.setdefault(name, "")
         elif tag == "option" and self._select and "selected" in a:
             self.fields[self._select] = a.get("value", "")
         elif tag == "textarea" and name:
@@ -260,6 +261,27 @@ def test_django_admin_revoke_suspend_scope_change_and_member_removal_take_effect
     # and each change is in the audit log under the staff member's name
     actions = set(AuditEvent.objects.filter(actor_user=staff).values_list("action", flat=True))
     assert {"api_key.revoke", "api_key.update", "organization.update"} <= actions
+
+
+def test_deactivating_or_deleting_a_user_in_django_admin_revokes_their_keys(api_client, client):
+    # given two members' admin keys, cached by a first use on the management API
+    org, owner, _developer, project = _team()
+    second = MembershipFactory(organization=org, role=Role.OWNER)
+    secrets = {}
+    for member in (owner, second):
+        key, secrets[member.pk] = make_key(project=project, scopes=["admin"])
+        ApiKey.objects.filter(pk=key.pk).update(created_by=member.user)
+        api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {secrets[member.pk]}")
+        assert api_client.get("/api/v1/organizations/").status_code == 200
+    client.force_login(UserFactory(is_staff=True, is_superuser=True))
+    # when staff deactivate one user and delete the other
+    _admin_save(client, f"/admin/accounts/user/{owner.user_id}/change/", is_active="")
+    r = client.post(f"/admin/accounts/user/{second.user_id}/delete/", {"post": "yes"})
+    assert r.status_code == 302
+    # then neither key works any more
+    for member in (owner, second):
+        api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {secrets[member.pk]}")
+        assert api_client.get("/api/v1/organizations/").status_code == 401
 
 
 @contextlib.contextmanager
