@@ -202,6 +202,11 @@ def _to_event(e: dict, *, org: Organization, caller: UsageCaller, projects: dict
         project_id = caller.default_project_id
     else:
         raise InvalidRequest("project is required.", param="project")
+    event_time = e.get("event_time") or now
+    if event_time < org.created_at:
+        # before the organization's first billing period: it would be rated and never invoiced
+        raise InvalidRequest("event_time is before the organization was created "
+                             f"({org.created_at.isoformat()}).", param="event_time")
     return events.normalize(events.UsageEventData(
         request_id=events.external_request_id(e["id"]), org_id=org.id, project_id=project_id,
         api_key_id=key.id if key else None, model=e["model"], region=e["region"],
@@ -209,7 +214,7 @@ def _to_event(e: dict, *, org: Organization, caller: UsageCaller, projects: dict
         capacity_source=e["capacity_source"], prompt_tokens=e["prompt_tokens"],
         cached_tokens=e["cached_tokens"], completion_tokens=e["completion_tokens"],
         queue_ms=e["queue_ms"], ttft_ms=e["ttft_ms"], total_ms=e["total_ms"],
-        status=e["status"], event_time=e.get("event_time") or now, batch_id=e["batch_id"],
+        status=e["status"], event_time=event_time, batch_id=e["batch_id"],
         source=EventSource.EXTERNAL,
     ))
 

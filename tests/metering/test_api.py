@@ -241,3 +241,16 @@ def test_usage_api_is_in_the_openapi_schema(api_client):
 
     assert "post" in schema["paths"]["/api/v1/usage/events"]
     assert "get" in schema["paths"]["/api/v1/usage"]
+
+
+def test_an_event_from_before_the_organization_existed_is_refused(api_client, tenant):
+    # given a tenant created just now that backdates usage (which no invoice period could hold)
+    early = tenant.org.created_at - timedelta(days=2)
+    body = {"events": [_external("evt-early", event_time=early.isoformat()),
+                       _external("evt-now")]}
+    reply = api_client.post(URL, body, format="json", **_auth(tenant.secret)).json()
+    # then the backdated one is refused by name and only the other is stored
+    assert [(e["id"], list(e["errors"])) for e in reply["errors"]] == [
+        ("evt-early", ["event_time"])]
+    assert reply["recorded"] == 1
+    assert not UsageEvent.objects.filter(request_id="ext:evt-early").exists()
