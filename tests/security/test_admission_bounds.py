@@ -21,12 +21,6 @@ from billing_platform.accounts.choices import DataZone
 from billing_platform.gateway.batch import runner
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchLine
-from billing_platform.gateway.validation import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    parse_chat,
-    parse_completion,
-)
 from engine_adapter.sim.testing import FAST_RATES, start_sim
 from metering.models import UsageEvent
 from plans import admission, quotas
@@ -38,20 +32,21 @@ from tests.gateway.test_batch_api import fast_stack, upload
 MICRO = Decimal("0.000001")
 # Prices in whole micro-units per token and cached tokens at the input price, so every
 # request costs a whole number of micro-units: Redis's spend and the rated events agree to
-# the last digit, and "within one worst case" is exact. A band far above any prompt here is
-# 100x dearer.
-SMALL = {"model": "small", "input": "1.00", "cached_input": "1.00", "output": "2.00",
-         "bands": [{"above_prompt_tokens": 100_000, "input": "100.00",
-                    "cached_input": "100.00", "output": "200.00"}]}
+# the last digit, and "within one worst case" is exact. "banded" is the same model with a
+# band 100x dearer far above any prompt here.
+SMALL = {"model": "small", "input": "1.00", "cached_input": "1.00", "output": "2.00"}
+BANDED = {**SMALL, "model": "banded",
+          "bands": [{"above_prompt_tokens": 100_000, "input": "100.00",
+                     "cached_input": "100.00", "output": "200.00"}]}
 FREE = {"model": "free", "input": "0", "output": "0"}  # explicitly priced at zero
-MODELS = ("small", "free", "unpriced")  # "unpriced" has an engine and no price
+MODELS = ("small", "banded", "free", "unpriced")  # "unpriced" has an engine and no price
 HI = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture
 def gateway(transactional_db, tmp_path, settings, metering_stream):
     settings.FILES_DIR = str(tmp_path / "files")  # batch input files, shared with the gateway
-    make_price_book(prices=[SMALL, FREE])
+    make_price_book(prices=[SMALL, BANDED, FREE])
     sims = {m: start_sim(served_model_name=m, max_running_requests=256, **FAST_RATES)
             for m in MODELS}
     for model, sim in sims.items():
@@ -241,6 +236,13 @@ def test_input_ids_on_chat_are_refused_before_any_engine(gateway):
 
 
 def test_what_reaches_the_engine_is_the_allow_list_and_one_output_field():
+    from billing_platform.gateway.validation import (
+        CHAT_FIELDS,
+        COMPLETION_FIELDS,
+        parse_chat,
+        parse_completion,
+    )
+
     # informational OpenAI fields are accepted and not passed on; the output bound travels in
     # exactly the field the endpoint's engine honours
     chat = parse_chat({"model": "small", "messages": HI, "max_tokens": 9, "user": "u",
@@ -343,13 +345,14 @@ def _true_worst() -> Decimal:
     """One request's worst case: its prompt bound and full output, at the base prices (the
     100x band starts at 100,000 prompt tokens, which these prompts can never reach)."""
     bound = admission.prompt_token_bound("user: hello there", 1)
-    return (bound * Decimal(SMALL["input"]) + TOKENS * Decimal(SMALL["output"])) * MICRO
+    return (bound * Decimal(BANDED["input"]) + TOKENS * Decimal(BANDED["output"])) * MICRO
 
 
 @pytest.mark.parametrize("threads", [32, 1], ids=["200-parallel", "sequential"])
 def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_it(
         gateway, threads):
-    # given a hard budget of 0.01, about 145 requests of 30 output tokens
+    # given a model with a 100x band for prompts over 100,000 tokens, and a hard budget of
+    # 0.01: about 145 requests of 30 output tokens at the base prices
     org, _key, secret = _tenant()
     budget = Decimal("0.01")
     quotas.budget_set(organization=org, amount=budget, hard=True)
@@ -363,7 +366,7 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
         for _ in range(1000):
             try:
                 raw = client.chat.completions.with_raw_response.create(
-                    model="small", messages=HI, max_tokens=TOKENS,
+                    model="banded", messages=HI, max_tokens=TOKENS,
                     extra_body={"ignore_eos": True})
             except openai.APIStatusError as exc:
                 refusals[(exc.status_code, exc.code)] += 1
