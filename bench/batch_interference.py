@@ -184,6 +184,7 @@ def setup_platform(sims) -> str:
                                    external_urls=[sim.base_url])
         EngineInstance.objects.create(pool=pool, replica=0, engine_id=f"{MODEL}-{i}-0",
                                       url=sim.base_url, status=EngineStatus.HEALTHY)
+    price_model(MODEL)
     user = User.objects.filter(email="batch-bench@tollgate.local").first() or \
         User.objects.create_user(email="batch-bench@tollgate.local", password=None)
     org = services.organization_create(name=f"Batch bench {uuid.uuid4().hex[:6]}", owner=user)
@@ -192,6 +193,22 @@ def setup_platform(sims) -> str:
     _key, secret = services.api_key_create(project=org.projects.get(), name="bench",
                                            scopes=["inference", "batch"])
     return secret
+
+
+def price_model(model: str) -> None:
+    """Price the bench's model in the default USD book: the gateway serves nothing it cannot
+    bill (an unpriced model is refused)."""
+    from django.utils import timezone
+
+    from plans import services as plan_services
+    from plans.models import PriceBook
+
+    book = (PriceBook.objects.filter(currency="USD", is_default=True).first()
+            or plan_services.price_book_create(code=f"bench-{model}", name="Bench prices",
+                                               currency="USD", is_default=True))
+    plan_services.price_version_create(
+        price_book=book, effective_from=timezone.now(), allow_backdate=True, note="bench",
+        prices=[{"model": model, "input": "0.50", "output": "1.50"}])
 
 
 def main() -> None:

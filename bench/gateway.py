@@ -140,12 +140,29 @@ def setup_platform(sim_url: str) -> str:
                                launch=Launch.EXTERNAL, external_urls=[sim_url])
     EngineInstance.objects.create(pool=pool, replica=0, engine_id="bench-0", url=sim_url,
                                   status=EngineStatus.HEALTHY)
+    price_model("bench")
     user = User.objects.filter(email="bench@tollgate.local").first() or \
         User.objects.create_user(email="bench@tollgate.local", password=None)
     org = services.organization_create(name="Bench", owner=user)
     _key, secret = services.api_key_create(project=org.projects.get(), name="bench",
                                            scopes=["inference"])
     return secret
+
+
+def price_model(model: str) -> None:
+    """Price the bench's model in the default USD book: the gateway serves nothing it cannot
+    bill (an unpriced model is refused)."""
+    from django.utils import timezone
+
+    from plans import services as plan_services
+    from plans.models import PriceBook
+
+    book = (PriceBook.objects.filter(currency="USD", is_default=True).first()
+            or plan_services.price_book_create(code=f"bench-{model}", name="Bench prices",
+                                               currency="USD", is_default=True))
+    plan_services.price_version_create(
+        price_book=book, effective_from=timezone.now(), allow_backdate=True, note="bench",
+        prices=[{"model": model, "input": "0.50", "output": "1.50"}])
 
 
 @contextlib.contextmanager
