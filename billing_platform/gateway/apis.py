@@ -22,6 +22,7 @@ from billing_platform.accounts.selectors import KeyPrincipal, aapi_key_authentic
 from billing_platform.gateway import services
 from billing_platform.gateway.errors import GatewayError, invalid
 from billing_platform.gateway.validation import parse_chat, parse_completion
+from metering.events import new_request_id
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -33,7 +34,7 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
         @csrf_exempt
         @wraps(view)
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            request_id = services.new_request_id()
+            request_id = new_request_id()
             principal = None
             try:
                 if request.method not in methods:

@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -35,10 +34,6 @@ SATURATION_QUEUE_FACTOR = settings.GATEWAY_SATURATION_QUEUE_FACTOR
 NO_CAPACITY_RETRY_S = "5"
 log = logging.getLogger(__name__)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-
-
-def new_request_id() -> str:
-    return f"req_{uuid.uuid4().hex}"
 
 
 @dataclass
