@@ -25,6 +25,7 @@ from billing_platform.accounts.models import (
     Project,
     User,
 )
+from billing_platform.audit.admin import audit_admin_delete
 
 
 class KeyCacheAwareAdmin(admin.ModelAdmin):
@@ -180,11 +181,13 @@ class ApiKeyAdmin(KeyCacheAwareAdmin):
     def delete_model(self, request: HttpRequest, obj: ApiKey) -> None:
         with transaction.atomic():
             _refresh_keys(ApiKey.objects.filter(pk=obj.pk))
+            audit_admin_delete(request, [obj])
             super().delete_model(request, obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         with transaction.atomic():
             _refresh_keys(queryset)
+            audit_admin_delete(request, list(queryset))
             super().delete_queryset(request, queryset)
 
 

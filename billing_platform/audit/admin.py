@@ -10,7 +10,7 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 from billing_platform.audit.models import AuditEvent
-from billing_platform.audit.services import audit_record, audit_snapshot
+from billing_platform.audit.services import audit_record, audit_snapshot, is_secret_field
 
 
 @admin.register(AuditEvent)
@@ -39,13 +39,22 @@ def _action(obj: Any, verb: str) -> str:
     return f"admin.{obj._meta.model_name}.{verb}"
 
 
+def audit_admin_delete(request: HttpRequest, objs: list[Any]) -> None:
+    """Write one audit row per object a staff member deletes in the admin."""
+    for obj in objs:
+        audit_record(acting_user=request.user,
+                     organization=getattr(obj, "organization_id", None),
+                     action=_action(obj, "delete"), target=_target(obj),
+                     before=audit_snapshot(obj))
+
+
 class AuditedModelAdmin(admin.ModelAdmin):
     """A ModelAdmin whose saves and deletes write audit rows (admin views run in a transaction,
     so the row commits with the change). Changed fields go in before/after; inline rows too."""
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         super().save_model(request, obj, form, change)
-        changed = list(form.changed_data)
+        changed = [f for f in form.changed_data if not is_secret_field(f)]
         audit_record(
             acting_user=request.user, organization=getattr(obj, "organization_id", None),
             action=_action(obj, "change" if change else "add"), target=_target(obj),
@@ -53,11 +62,12 @@ class AuditedModelAdmin(admin.ModelAdmin):
             after={f: _plain(form.cleaned_data.get(f)) for f in changed})
 
     def delete_model(self, request: HttpRequest, obj: Any) -> None:
-        audit_record(acting_user=request.user,
-                     organization=getattr(obj, "organization_id", None),
-                     action=_action(obj, "delete"), target=_target(obj),
-                     before=audit_snapshot(obj))
+        audit_admin_delete(request, [obj])
         super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: Any) -> None:
+        audit_admin_delete(request, list(queryset))
+        super().delete_queryset(request, queryset)
 
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
         super().save_formset(request, form, formset, change)

@@ -19,6 +19,11 @@ from billing_platform.audit.context import current_request_id
 from billing_platform.audit.models import AuditEvent
 
 
+def is_secret_field(name: str) -> bool:
+    """True for fields an audit row never holds: secrets and digests of secrets."""
+    return "secret" in name or name == "password" or name.endswith(("_hash", "_token"))
+
+
 def _actor(acting_user: Any) -> dict[str, Any]:
     if acting_user is None or not getattr(acting_user, "is_authenticated", True):
         return {"actor_label": "system"}
@@ -51,5 +56,9 @@ def audit_record(*, acting_user: Any, organization: Organization | int | None, a
 
 def audit_snapshot(instance: models.Model, fields: tuple[str, ...] | None = None
                    ) -> dict[str, Any]:
-    """Return an object's editable fields (or ``fields``) as a JSON-able before/after dict."""
-    return model_to_dict(instance, fields=fields)
+    """Return an object's editable fields (or ``fields``) as a JSON-able before/after dict.
+
+    Secrets and their digests (key hashes, passwords, webhook secrets, tokens) are left out.
+    """
+    return {k: v for k, v in model_to_dict(instance, fields=fields).items()
+            if not is_secret_field(k)}

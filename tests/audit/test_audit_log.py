@@ -183,3 +183,24 @@ def test_console_audit_page_for_admins_only(client):
     refused = client.get("/console/audit/", follow=True)
     assert b"subscription.create" not in refused.content
     assert b"cannot do that" in refused.content
+
+
+def test_staff_deletes_in_django_admin_are_recorded_without_secrets(client):
+    from tests.factories import ProjectFactory
+
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    client.force_login(staff)
+    # a key deleted from its change page, a plan through the bulk "delete selected" action
+    key, _ = make_key(ProjectFactory())
+    page = client.post(f"/admin/accounts/apikey/{key.pk}/delete/", {"post": "yes"})
+    assert page.status_code == 302
+    plan = make_token_plan()
+    page = client.post("/admin/plans/plan/", {"action": "delete_selected", "post": "yes",
+                                              "_selected_action": [plan.pk]})
+    assert page.status_code == 302
+
+    row = AuditEvent.objects.get(action="admin.apikey.delete", target=key.public_id)
+    assert row.actor_label == staff.email and row.organization_id == key.organization_id
+    assert row.before["name"] == key.name
+    assert not any("hash" in k or "secret" in k for k in row.before)
+    assert AuditEvent.objects.filter(action="admin.plan.delete", target=plan.code).exists()
