@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 
+from bench.pricing import price_model
 from billing_platform.devstack import background_priority
 from engine_adapter.sim.testing import free_port, start_sim
 
@@ -193,22 +194,6 @@ def setup_platform(sims) -> str:
     _key, secret = services.api_key_create(project=org.projects.get(), name="bench",
                                            scopes=["inference", "batch"])
     return secret
-
-
-def price_model(model: str) -> None:
-    """Price the bench's model in the default USD book: the gateway serves nothing it cannot
-    bill (an unpriced model is refused)."""
-    from django.utils import timezone
-
-    from plans import services as plan_services
-    from plans.models import PriceBook
-
-    book = (PriceBook.objects.filter(currency="USD", is_default=True).first()
-            or plan_services.price_book_create(code=f"bench-{model}", name="Bench prices",
-                                               currency="USD", is_default=True))
-    plan_services.price_version_create(
-        price_book=book, effective_from=timezone.now(), allow_backdate=True, note="bench",
-        prices=[{"model": model, "input": "0.50", "output": "1.50"}])
 
 
 def main() -> None:
