@@ -69,7 +69,8 @@ def api_key_cache_refresh(*, prefixes: list[str]) -> None:
     transaction.on_commit(lambda: keycache.release(prefixes, token))
 
 
-def _key_state(key: ApiKey) -> dict[str, Any]:
+def api_key_state(key: ApiKey) -> dict[str, Any]:
+    """Return the audited fields of a key (audit rows' before and after)."""
     return {"name": key.name, "project": key.project.public_id, "scopes": list(key.scopes),
             "allowed_models": list(key.allowed_models),
             "expires_at": key.expires_at.isoformat() if key.expires_at else None,
@@ -229,7 +230,7 @@ def api_key_create(
                 )
                 audit_record(acting_user=acting_user, organization=project.organization,
                              action="api_key.create", target=key.public_id,
-                             after=_key_state(key))
+                             after=api_key_state(key))
         except IntegrityError:
             continue  # prefix collision: astronomically rare, try another
         return key, f"tg-{prefix}_{secret}"
@@ -263,7 +264,7 @@ def api_keys_revoke(*, keys: Iterable[ApiKey], acting_user: Any, reason: str = "
 
 def api_key_saved(*, api_key: ApiKey, before: dict[str, Any] | None, acting_user: Any) -> None:
     """Record a key changed outside the services (the Django admin) and apply it at once."""
-    after = _key_state(api_key)
+    after = api_key_state(api_key)
     api_key_cache_refresh(prefixes=[api_key.prefix])
     changed = {k for k in after if before is None or before.get(k) != after[k]}
     if changed:
@@ -273,11 +274,6 @@ def api_key_saved(*, api_key: ApiKey, before: dict[str, Any] | None, acting_user
                      action=action, target=api_key.public_id,
                      before={k: before[k] for k in changed} if before else None,
                      after={k: after[k] for k in changed})
-
-
-def api_key_state(api_key: ApiKey) -> dict[str, Any]:
-    """Return the audited fields of a key (the Django admin's "before")."""
-    return _key_state(api_key)
 
 
 def api_key_last_used_flush() -> int:
