@@ -226,7 +226,8 @@ class HostCpu:
         return self.busy()
 
     def busy(self) -> float | None:
-        """Return the share of all CPUs others kept busy since the last answer (0..1), or
+        """Return the share of the CPU this process left that others kept busy since the last
+        answer (0..1), or
         None: no /proc/stat, or a window too short to say (it then goes on)."""
         now, last = self._read(), self.last
         if now is None or last is None:
@@ -235,9 +236,14 @@ class HostCpu:
         if now[0] - last[0] < self.MIN_WINDOW_S or now[1] <= last[1]:
             return None  # the window goes on
         self.last = now
-        cpu_s = (now[1] - last[1]) / self.hz
-        others = ((now[1] - last[1]) - (now[2] - last[2])) / self.hz - (now[3] - last[3])
-        return min(1.0, max(0.0, others / cpu_s))
+        idle = (now[2] - last[2]) / self.hz
+        others = max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / self.hz
+                     - (now[3] - last[3]))
+        # of the CPU this process left to others, the share they kept busy: judged against
+        # all the CPU, a worker that itself ran for part of a short window on a contended
+        # host made the host look idle (others' 2 cores less its own slice read as < 75 %)
+        left = others + idle
+        return min(1.0, others / left) if left > 0 else 1.0
 
 
 class _Pipeline:
