@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from asgiref.sync import sync_to_async
 
+from engine_adapter import conf
 from engine_adapter.client import EngineClient
 from engine_adapter.router import Router
 from engine_adapter.selectors import fleet_snapshot, zone_regions
 
-REFRESH_S = float(os.environ.get("TOLLGATE_FLEET_REFRESH_S", "2"))
+REFRESH_S = conf.fleet_refresh_s()
 REFRESH_AHEAD = 0.5  # fraction of REFRESH_S after which a background refresh starts
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,6 @@ def get_fleet() -> Fleet:
     if _fleet is None:
         from django.conf import settings
 
-        _fleet = Fleet(policy=os.environ.get("TOLLGATE_ROUTER_POLICY", "cache_aware"),
+        _fleet = Fleet(policy=conf.router_policy(),
                        salt_secret=settings.SECRET_KEY)
     return _fleet

@@ -14,18 +14,16 @@ import httpx
 from django.db import transaction
 from django.utils import timezone
 
+from engine_adapter import conf
 from engine_adapter.choices import EngineStatus, Launch
+from engine_adapter.conf import REPO_ROOT
 from engine_adapter.metrics import parse_engine_load
 from engine_adapter.models import EngineInstance, Pool
+from engine_adapter.sim.config import sim_command
 from engine_adapter.spec import FleetSpec, PoolSpec, SpecError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SGLANG_MODEL_MARKER = "@sglang-cpu-model"
 Progress = Callable[[str], None]
-
-
-def _state_dir() -> Path:
-    return Path(os.environ.get("TOLLGATE_ROOT") or REPO_ROOT / ".tollgate")
 
 
 def _free_port() -> int:
@@ -75,8 +73,6 @@ def fleet_sync_spec(*, spec: FleetSpec, sim_only: bool = False) -> list[Pool]:
 def launch_command(pool: Pool | PoolSpec, port: int) -> tuple[list[str], dict[str, str]]:
     """Return argv and environment that start one replica of ``pool`` on ``port``."""
     if pool.launch == Launch.SIM:
-        from engine_adapter.sim.testing import sim_command
-
         argv = sim_command(port=port, served_model_name=pool.model,
                            max_total_tokens=pool.max_total_tokens)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
@@ -92,7 +88,7 @@ def launch_command(pool: Pool | PoolSpec, port: int) -> tuple[list[str], dict[st
         return argv, dict(os.environ)
     from engine_adapter import sglang_cpu
 
-    paths = sglang_cpu.resolve_paths(_state_dir())
+    paths = sglang_cpu.resolve_paths(conf.state_dir())
     model_dir = (paths.model_dir if pool.model_path in ("", SGLANG_MODEL_MARKER)
                  else Path(pool.model_path))
     return sglang_cpu.launch_spec(model_dir=model_dir, port=port, served_model_name=pool.model,
@@ -113,7 +109,7 @@ def engine_launch(*, pool: Pool, replica: int) -> EngineInstance:
     """Start one replica of ``pool`` (replacing a dead instance of that replica)."""
     port = _free_port()
     engine_id = f"{pool.name}-{replica}"
-    log_path = _state_dir() / "logs" / "engines" / f"{engine_id}.log"
+    log_path = conf.state_dir() / "logs" / "engines" / f"{engine_id}.log"
     pid = _spawn(pool, port, log_path)
     instance, _ = EngineInstance.objects.update_or_create(
         pool=pool, replica=replica, defaults={
@@ -138,7 +134,7 @@ def fleet_up(*, spec: FleetSpec, sim_only: bool = False, wait: bool = True,
     if any(p.launch == Launch.SGLANG and not p.engine_python for p in pools):
         from engine_adapter import sglang_cpu
 
-        sglang_cpu.ensure_ready(_state_dir(), log=lambda msg: progress(f"sglang-cpu: {msg}"))
+        sglang_cpu.ensure_ready(conf.state_dir(), log=lambda msg: progress(f"sglang-cpu: {msg}"))
     instances = []
     for pool in pools:
         if pool.launch == Launch.EXTERNAL:
@@ -187,7 +183,7 @@ def _wait_ready(instances: list[EngineInstance], *, timeout: float, progress: Pr
         time.sleep(0.3)
     if pending:
         raise TimeoutError(f"engines not ready after {timeout:.0f}s: {', '.join(sorted(pending))};"
-                           f" see their logs under {_state_dir() / 'logs' / 'engines'}")
+                           f" see their logs under {conf.state_dir() / 'logs' / 'engines'}")
 
 
 def _terminate(pid: int, timeout: float = 15.0) -> None:
@@ -262,10 +258,3 @@ def fleet_restart(*, pool_name: str, progress: Progress = print) -> list[EngineI
     instances = [engine_launch(pool=pool, replica=r) for r in range(pool.replicas)]
     _wait_ready(instances, timeout=300, progress=progress)
     return instances
-
-
-def default_spec_path() -> Path:
-    return Path(os.environ.get("TOLLGATE_FLEET_SPEC")
-                or REPO_ROOT / "engine_adapter" / "fleets" / "dev.toml")
-
-

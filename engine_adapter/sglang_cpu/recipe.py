@@ -12,8 +12,9 @@ CUDA torch and GPU-only kernels), so this module follows a fixed recipe instead:
 3. ``model``: ``<root>/models/tiny-llama``, made by ``make_model.py`` inside that venv.
 
 Each step writes a stamp holding the hash of its inputs and is skipped while the hash matches,
-so ``setup`` is idempotent and cheap once done. This module imports only the standard library:
-it runs under the platform's Python, never inside the SGLang venv.
+so ``setup`` is idempotent and cheap once done. This module imports only the standard library
+(and ``engine_adapter.conf``, which does too): it runs under the platform's Python, never
+inside the SGLang venv.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_adapter import conf
+
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[1]
 REQUIREMENTS_IN = PACKAGE_DIR / "requirements-cpu.in"
 REQUIREMENTS_LOCK = PACKAGE_DIR / "requirements-cpu.txt"
 SHIM_SOURCE = PACKAGE_DIR / "shim"
@@ -84,7 +86,7 @@ class SglangPaths:
 
 def default_root() -> Path:
     """Return ``$TOLLGATE_ROOT`` if set, else ``.tollgate`` at the repository root."""
-    return Path(os.environ.get("TOLLGATE_ROOT") or REPO_ROOT / ".tollgate").resolve()
+    return conf.state_dir().resolve()
 
 
 def resolve_paths(root: Path | str | None = None) -> SglangPaths:

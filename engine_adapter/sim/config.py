@@ -8,6 +8,7 @@ accepting the SGLang flags that change nothing here) lets a pool switch between 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,33 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device"):
         parser.add_argument(flag, default=None)
     return parser
+
+
+def sim_command(
+    *, port: int, served_model_name: str, host: str = "127.0.0.1", **flags: object
+) -> list[str]:
+    """Return the launch line; ``flags`` become ``--flag-name value`` (True: bare flag).
+
+    The fleet manager launches simulated pools with it, and the tests' ``start_sim`` does too.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine_adapter.sim",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+    ]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        cmd.append("--" + name.replace("_", "-"))
+        if value is not True:
+            cmd.append(str(value))
+    return cmd
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SimConfig:

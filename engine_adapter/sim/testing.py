@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -20,7 +19,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from engine_adapter.conf import REPO_ROOT
+from engine_adapter.sim.config import sim_command
+
 # Token rates at which a test's generations take milliseconds: start_sim(**FAST_RATES).
 FAST_RATES: dict[str, object] = {
     "prefill_tokens_per_s": 10_000_000,
@@ -33,30 +34,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def sim_command(
-    *, port: int, served_model_name: str, host: str = "127.0.0.1", **flags: object
-) -> list[str]:
-    """Return the launch line; ``flags`` become ``--flag-name value`` (True: bare flag)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "engine_adapter.sim",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        served_model_name,
-    ]
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        cmd.append("--" + name.replace("_", "-"))
-        if value is not True:
-            cmd.append(str(value))
-    return cmd
 
 
 @dataclass

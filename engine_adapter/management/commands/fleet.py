@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from engine_adapter import services
+from engine_adapter import conf, services
 from engine_adapter.models import EngineInstance
 from engine_adapter.spec import SpecError, load_spec
 
@@ -26,7 +26,7 @@ class Command(BaseCommand):
         say = self.stdout.write
         try:
             if action == "up":
-                path = spec or services.default_spec_path()
+                path = spec or conf.fleet_spec_path()
                 say(f"fleet spec {path}")
                 services.fleet_up(spec=load_spec(path), sim_only=sim_only, timeout=timeout,
                                   progress=say)

@@ -1,0 +1,37 @@
+"""The engine adapter's environment reads, all of them (``billing_platform/env.py`` reads the
+platform's).
+
+``engine_adapter`` imports nothing of the platform (DESIGN.md), so it cannot use the platform's
+``env.py``; and part of it runs before Django does (``python -m engine_adapter.sglang_cpu
+setup``), so this module imports neither Django nor django-environ. Each value is read when
+asked for, so a test can change the environment of its own process (``monkeypatch.setenv``).
+Unset means the default (and for the two paths, empty does too).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_dir() -> Path:
+    """Return where engines' logs and the CPU SGLang build live (``TOLLGATE_ROOT``)."""
+    return Path(os.environ.get("TOLLGATE_ROOT") or REPO_ROOT / ".tollgate")
+
+
+def fleet_spec_path() -> Path:
+    """Return the fleet spec ``manage.py fleet`` loads by default (``TOLLGATE_FLEET_SPEC``)."""
+    return Path(os.environ.get("TOLLGATE_FLEET_SPEC")
+                or REPO_ROOT / "engine_adapter" / "fleets" / "dev.toml")
+
+
+def fleet_refresh_s() -> float:
+    """Return the oldest a process's view of the fleet may be (``TOLLGATE_FLEET_REFRESH_S``)."""
+    return float(os.environ.get("TOLLGATE_FLEET_REFRESH_S", "2"))
+
+
+def router_policy() -> str:
+    """Return the routing policy of the gateway's router (``TOLLGATE_ROUTER_POLICY``)."""
+    return os.environ.get("TOLLGATE_ROUTER_POLICY", "cache_aware")
