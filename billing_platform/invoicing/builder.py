@@ -10,16 +10,18 @@ Usage belongs to the period that holds its event time, to the microsecond: a per
 its anchor instant (a subscription's start, e.g. 08:37:18) to the next, as Stripe's do, while
 rollups are whole UTC hours. So a period's usage is read from the rollups of the hours that lie
 wholly inside it, plus the raw events of the (at most two) hours cut by its start and its end
-(``_PERIOD_ROWS``). Every event then lies in exactly one period; on hour-aligned periods
-(calendar months) the event ranges are empty and the query is the rollups' alone.
+(``metering.selectors.usage_sums_for_periods``, which owns that SQL). Every event then lies
+in exactly one period; on hour-aligned periods (calendar months) the event ranges are empty and
+the query is the rollups' alone.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -28,6 +30,7 @@ from django.db.models import Q
 
 from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
 from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
+from metering.selectors import PeriodUsage, usage_late_hours, usage_sums_for_periods
 from plans.choices import TokenClass
 from plans.models import CreditPackPurchase, Reservation, Subscription
 from plans.selectors import reservation_fee_for_period, subscription_months_in_period
@@ -102,10 +105,9 @@ class UsageSum:
                 (TokenClass.OUTPUT.value, self.completion_tokens, self.output_amount)]
 
 
-# The summed columns of a UsageSum, in the order the SQL below selects them. A rollup's amount
-# is the sum of its class amounts, so the rollups' SUM(amount) is not read: numeric sums are
-# the dearest part of the usage query (about 0.3 us a row each, measured by
-# bench/invoice_run.py); the billed-usage ledger (small) keeps and sums its own amount.
+# The summed columns of the billed-usage ledger, as ``_BILLED_SQL`` selects them after its own
+# amount (the ledger is small and keeps and sums its amount; the rollups' amount is the sum of
+# their class amounts, see ``_with_amount``).
 _SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "input_amount",
          "cached_input_amount", "output_amount")
 # In the ledger's order (amount, *_SUMS): amount, requests and token counts come first.
@@ -194,80 +196,18 @@ def _usage_lines(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = 
                   token_class=token_class, details={"requests": u.requests}, **extra)
 
 
-# The first whole hour at or after a period's start, and the start of the hour its end cuts
-# (UTC, whatever the session's time zone; timestamps have microsecond resolution).
-_HOUR_CEIL = "date_trunc('hour', {} + interval '1 hour' - interval '1 microsecond', 'UTC')"
-_HOUR_FLOOR = "date_trunc('hour', {}, 'UTC')"
-# An event's class amounts, as its rollup sums them (``metering.recording``).
-_EVENT_CLASS_SQL = ", ".join(
-    f"COALESCE((e.rating_breakdown ->> '{c}')::numeric, 0) AS {c}_amount"
-    for c in ("input", "cached_input", "output"))
-_EVENT_SUM_SQL = "COUNT(*), " + ", ".join(f"SUM(e.{c})" for c in _SUMS[1:])
-_DIMS = "model, region, service_tier, capacity_source, currency"
-# The usage sums of period ``p`` (ps, pe; hs = its first whole hour, he = the hour its end
-# cuts) per dimensions and currency: the rollups of its whole hours, summed straight off their
-# index range as before, plus its events before the first whole hour and from the cut hour on
-# (one index range each, skipped outright where the period starts or ends on the hour), then
-# the two added up. When the period starts and ends within one hour (hs > he) there are no
-# whole hours and the first event range is the whole period.
-_PERIOD_SUMS = f"""
-        SELECT {_DIMS}, {", ".join(f"SUM({c})" for c in _SUMS)}
-          FROM (SELECT r.{_DIMS.replace(", ", ", r.")}, {_SUM_SQL}
-                  FROM usage_rollup_hourly r
-                 WHERE r.organization_id = p.org AND r.hour >= p.hs AND r.hour < p.he
-                 GROUP BY 1, 2, 3, 4, 5
-                UNION ALL
-                SELECT e.{_DIMS.replace(", ", ", e.")}, {_EVENT_SUM_SQL}
-                  FROM (SELECT e.{_DIMS.replace(", ", ", e.")}, e.prompt_tokens,
-                               e.cached_tokens, e.completion_tokens, {_EVENT_CLASS_SQL}
-                          FROM usage_event e
-                         WHERE p.ps < p.hs AND e.organization_id = p.org
-                           AND e.event_time >= p.ps AND e.event_time < LEAST(p.hs, p.pe)
-                        UNION ALL
-                        SELECT e.{_DIMS.replace(", ", ", e.")}, e.prompt_tokens,
-                               e.cached_tokens, e.completion_tokens, {_EVENT_CLASS_SQL}
-                          FROM usage_event e
-                         WHERE p.he < p.pe AND e.organization_id = p.org
-                           AND e.event_time >= GREATEST(p.he, p.hs) AND e.event_time < p.pe
-                       ) e
-                 GROUP BY 1, 2, 3, 4, 5
-               ) x (model, region, service_tier, capacity_source, currency, {", ".join(_SUMS)})
-         GROUP BY 1, 2, 3, 4, 5
-"""  # noqa: S608
-
-# One aggregate per organization (LATERAL): each is a small in-memory hash over one org's
-# index range, where one big GROUP BY over the whole chunk spilled a sort of millions of rows
-# to disk (measured 2x slower at 500 orgs x 3,600 rollup rows).
-_USAGE_SQL = f"""
-WITH p AS (
-    SELECT org, ps, pe, {_HOUR_CEIL.format("ps")} AS hs, {_HOUR_FLOOR.format("pe")} AS he
-      FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[]) AS t(org, ps, pe)
-)
-SELECT p.org, a.*
-  FROM p CROSS JOIN LATERAL ({_PERIOD_SUMS} ORDER BY 1, 3, 2, 4) a
-"""  # noqa: S608 (only our own column names are interpolated)
-
-# Usage of earlier finalized periods, read exactly as at their close (``_PERIOD_ROWS``); a late
-# hour marks the periods it overlaps, including the one whose start cuts it.
-_LATE_SQL = f"""
-WITH p AS (
-    SELECT i.organization_id AS org, i.period_start AS ps, i.period_end AS pe, i.currency AS cur,
-           {_HOUR_CEIL.format("i.period_start")} AS hs, {_HOUR_FLOOR.format("i.period_end")} AS he
-      FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, start)
-      JOIN invoicing_invoice i
-        ON i.organization_id = t.org AND i.kind = 'invoice' AND i.status <> 'draft'
-       AND i.period_end <= t.start
-     WHERE i.period_start >= t.start - %s::interval
-        OR EXISTS (SELECT 1 FROM usage_late_hour m
-                    WHERE m.organization_id = t.org
-                      AND m.hour >= {_HOUR_FLOOR.format("i.period_start")}
-                      AND m.hour < i.period_end AND m.recorded_at >= t.start - %s::interval)
-)
-SELECT p.org, p.ps, p.pe, a.model, a.region, a.service_tier, a.capacity_source,
-       {", ".join(f"a.{c}" for c in _SUMS)}
-  FROM p CROSS JOIN LATERAL ({_PERIOD_SUMS}) a ({_DIMS}, {", ".join(_SUMS)})
- WHERE a.currency = p.cur
-"""  # noqa: S608
+# Finalized invoices of the chunk's organizations before each target's period: those that
+# started within the lookback, and (a superset, narrowed in ``_late_periods``) those ending
+# after the org's first hour that metering marked late since then.
+_FINALIZED_SQL = """
+SELECT i.organization_id, i.period_start, i.period_end, i.currency,
+       i.period_start >= t.start - %s::interval
+  FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[]) AS t(org, start, first_late)
+  JOIN invoicing_invoice i
+    ON i.organization_id = t.org AND i.kind = 'invoice' AND i.status <> 'draft'
+   AND i.period_end <= t.start
+ WHERE i.period_start >= t.start - %s::interval OR i.period_end > t.first_late
+"""
 
 _BILLED_SQL = f"""
 SELECT organization_id, source_period_start, model, region, service_tier, capacity_source,
@@ -278,9 +218,11 @@ SELECT organization_id, source_period_start, model, region, service_tier, capaci
 """  # noqa: S608
 
 
-def _with_amount(sums: tuple) -> list:
-    """Prepend the amount to a rollup's sums: (amount, *sums), the ledger's order."""
-    return [sums[4] + sums[5] + sums[6], *sums]
+def _with_amount(u: PeriodUsage) -> list:
+    """Return a period's sums in the ledger's order: amount (the class amounts' sum), *_SUMS."""
+    return [u.input_amount + u.cached_input_amount + u.output_amount, u.requests,
+            u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.input_amount,
+            u.cached_input_amount, u.output_amount]
 
 
 def _usage_sum(period_start: datetime, model: str, region: str, tier: str, source: str,
@@ -294,21 +236,47 @@ def _usage_sum(period_start: datetime, model: str, region: str, tier: str, sourc
 def _usage(targets: list[Target]) -> dict[int, list[UsageSum]]:
     by_org = {t.org_id: t for t in targets}
     out: dict[int, list[UsageSum]] = defaultdict(list)
+    for u in usage_sums_for_periods(
+            periods=[(t.org_id, t.period_start, t.period_end) for t in targets]):
+        org = u.org_id
+        sums = _with_amount(u)
+        if u.currency != by_org[org].currency:
+            # Rated in another currency than the org is invoiced in (a plan in another
+            # currency): never convert silently; finance must see it.
+            log.error("org %s: %s %s of %s usage in %s not invoiced (invoice currency %s)",
+                      org, sums[0], u.currency, u.model, by_org[org].period_start.date(),
+                      by_org[org].currency)
+            continue
+        out[org].append(_usage_sum(by_org[org].period_start, u.model, u.region,
+                                   u.service_tier, u.capacity_source, sums))
+    return out
+
+
+def _hour_floor(at: datetime) -> datetime:
+    return at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _late_periods(targets: list[Target], lookback: timedelta
+                  ) -> list[tuple[int, datetime, datetime, str]]:
+    """Return (org, start, end, currency) of the finalized periods to look at again.
+
+    Those that started within the lookback, and older ones holding an hour metering marked
+    late within it (an hour that the period's start cuts counts for that period too).
+    """
+    late = usage_late_hours(since={t.org_id: t.period_start - lookback for t in targets})
     with connection.cursor() as cur:
-        cur.execute(_USAGE_SQL, [[t.org_id for t in targets], [t.period_start for t in targets],
-                                 [t.period_end for t in targets]])
-        for org, model, region, tier, source, currency, *rollup in cur:
-            sums = _with_amount(rollup)
-            amount = sums[0]
-            if currency != by_org[org].currency:
-                # Rated in another currency than the org is invoiced in (a plan in another
-                # currency): never convert silently; finance must see it.
-                log.error("org %s: %s %s of %s usage in %s not invoiced (invoice currency %s)",
-                          org, amount, currency, model, by_org[org].period_start.date(),
-                          by_org[org].currency)
+        cur.execute(_FINALIZED_SQL, [
+            lookback, [t.org_id for t in targets], [t.period_start for t in targets],
+            [late[t.org_id][0] if t.org_id in late else None for t in targets], lookback])
+        rows = cur.fetchall()
+    out = []
+    for org, ps, pe, currency, recent in rows:
+        if not recent:
+            hours = late[org]
+            i = bisect_left(hours, _hour_floor(ps))
+            if i == len(hours) or hours[i] >= pe:
                 continue
-            out[org].append(_usage_sum(by_org[org].period_start, model, region, tier, source,
-                                       sums))
+        out.append((org, ps, pe, currency))
     return out
 
 
@@ -321,13 +289,18 @@ def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
     """
     ids = [t.org_id for t in targets]
     lookback = timedelta(days=settings.INVOICING_LATE_LOOKBACK_DAYS)
+    periods = _late_periods(targets, lookback)
+    if not periods:
+        return {}
+    currency = {(org, ps): cur for org, ps, _, cur in periods}
     seen: dict[tuple, tuple[datetime, list]] = {}
+    for u in usage_sums_for_periods(periods=[(org, ps, pe) for org, ps, pe, _ in periods]):
+        if u.currency == currency[(u.org_id, u.period_start)]:
+            seen[(u.org_id, u.period_start, u.model, u.region, u.service_tier,
+                  u.capacity_source)] = (u.period_end, _with_amount(u))
+    if not seen:
+        return {}
     with connection.cursor() as cur:
-        cur.execute(_LATE_SQL, [ids, [t.period_start for t in targets], lookback, lookback])
-        for org, ps, pe, model, region, tier, source, *rollup in cur:
-            seen[(org, ps, model, region, tier, source)] = (pe, _with_amount(rollup))
-        if not seen:
-            return {}
         cur.execute(_BILLED_SQL, [ids, min(key[1] for key in seen)])
         billed = {tuple(r[:6]): list(r[6:]) for r in cur}
     starts = {t.org_id: t.period_start for t in targets}
