@@ -46,7 +46,8 @@ from django.db import (
     transaction,
 )
 
-from metering import faults, partitions
+from billing_platform.accounts.selectors import organization_data_zones
+from metering import faults, metrics, partitions
 from metering.events import I_ORG, I_REQUEST, I_TIME, I_ZONE, Row, UsageEventData, row_wire, to_row
 
 log = logging.getLogger(__name__)
@@ -137,13 +138,11 @@ class RecordResult:
         return self
 
 
-def _fill_data_zones(cur, rows: Sequence[Row]) -> list[Row]:
+def _fill_data_zones(rows: Sequence[Row]) -> list[Row]:
     missing = {r[I_ORG] for r in rows if not r[I_ZONE]}
     if not missing:
         return list(rows)
-    cur.execute("SELECT id, data_zone FROM accounts_organization WHERE id = ANY(%s)",
-                [list(missing)])
-    zones = dict(cur.fetchall())
+    zones = organization_data_zones(org_ids=missing)
     out = []
     for r in rows:
         if not r[I_ZONE]:
@@ -267,7 +266,7 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
     connection.ensure_connection()
     # psycopg's own cursor (for COPY); its errors are translated to Django's like any query's
     with connection.wrap_database_errors, connection.connection.cursor() as cur:
-        rows = _fill_data_zones(cur, rows)
+        rows = _fill_data_zones(rows)
         if trusted_text:
             cur.execute(CLAIM_KEYS_JOINED, (",".join([str(r[0]) for r in rows]),
                                             "\t".join([r[1] for r in rows]),
@@ -291,6 +290,7 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
         ratings = _rate(fresh)
         rollups = _write_events(cur, fresh, ratings, trusted_text=trusted_text)
         cur.execute(UPSERT_ROLLUPS, rollups.columns())
+        metrics.usage_recorded_on_commit(rollups.sums)
         _mark_late_hours(cur, fresh)
         faults.point("before_commit")
     return result

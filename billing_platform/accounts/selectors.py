@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -149,6 +150,14 @@ async def aapi_key_authenticate(raw: str) -> KeyPrincipal | None:
 def organizations_for_user(*, user: User) -> QuerySet[Organization]:
     """Return the organizations ``user`` is a member of."""
     return Organization.objects.filter(memberships__user=user).order_by("name")
+
+
+# --- Organization facts other apps read (metering's recording) -------------------------------
+
+def organization_data_zones(*, org_ids: Iterable[int]) -> dict[int, str]:
+    """Return the data zone of each organization among ``org_ids`` that exists."""
+    return dict(Organization.objects.filter(id__in=list(org_ids))
+                .values_list("id", "data_zone"))
 
 
 @dataclass(frozen=True)
