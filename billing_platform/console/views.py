@@ -263,8 +263,7 @@ def _invoice(access: OrgAccess, invoice_id: str):
 
 @org_page("billing.read")
 def invoices(request: HttpRequest, access: OrgAccess) -> HttpResponse:
-    from billing_platform.invoicing.selectors import invoices_of
-    from billing_platform.invoicing.services import upcoming_invoice
+    from billing_platform.invoicing.selectors import invoices_of, upcoming_invoice
 
     return render(request, "console/invoices.html", {
         "invoices": invoices_of(organization=access.organization)[:100],
@@ -277,7 +276,7 @@ def invoice_document(request: HttpRequest, access: OrgAccess, invoice_id: str,
                      fmt: str = "html") -> HttpResponse:
     """Return an invoice (or ``upcoming``) as HTML, PDF or CSV, all from the one template."""
     from billing_platform.invoicing import rendering
-    from billing_platform.invoicing.services import upcoming_invoice
+    from billing_platform.invoicing.selectors import upcoming_invoice
 
     if invoice_id == "upcoming":
         invoice, name = upcoming_invoice(organization=access.organization), "upcoming"

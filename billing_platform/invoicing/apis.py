@@ -144,7 +144,7 @@ class UpcomingInvoiceApi(APIView):
         if not access.can("billing.read"):
             raise exceptions.PermissionDenied(
                 f"Your role ({access.role}) does not allow this (billing.read).")
-        draft = services.upcoming_invoice(organization=access.organization)
+        draft = selectors.upcoming_invoice(organization=access.organization)
         return Response(upcoming_data(draft))
 
 

@@ -36,6 +36,7 @@ from billing_platform.invoicing.builder import build_drafts
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind
 from billing_platform.invoicing.models import InvoiceLine
 from billing_platform.invoicing.money import ZERO
+from billing_platform.invoicing.selectors import periods_open
 from metering.selectors import rated_amounts_before
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ def _billed_on_invoices(org_ids: list[int]) -> dict[tuple[int, str], Decimal]:
 
 
 def _chunk_differences(org_ids: list[int]) -> list[BillingDifference]:
-    from billing_platform.invoicing.services import periods_open
-
     targets = periods_open(org_ids=org_ids)
     until = {t.org_id: t.period_end for t in targets}
     rated = rated_amounts_before(until=until)

@@ -1,14 +1,107 @@
-"""Reads of invoicing: an organization's invoices, one invoice with its lines, CSV rows."""
+"""Reads of invoicing: billing periods due or open, the upcoming invoice, an organization's
+invoices, one invoice with its lines, CSV rows.
+
+Periods: an organization's next period starts where its last invoice ended (or at the start of
+the period that holds its creation) and runs to the next boundary of the billing anchor in
+force then (a subscription's start, else calendar months). Period close
+(``services.period_close_run``) and the billing invariant read them here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
 
-from django.db.models import QuerySet
+from django.db.models import Max, Q, QuerySet
+from django.utils import timezone
 
+from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
-from billing_platform.invoicing.builder import DraftInvoice
+from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
+from billing_platform.invoicing.choices import InvoiceKind
 from billing_platform.invoicing.models import Invoice
+from billing_platform.invoicing.money import ZERO
+from plans.models import CreditGrant, Subscription
+from plans.periods import period_bounds
+
+CALENDAR_ANCHOR = datetime(2000, 1, 1, tzinfo=UTC)  # calendar months, for orgs on no plan
+
+
+# --- periods ---------------------------------------------------------------------------------
+
+def _anchor(subs: Iterable[Subscription], at: datetime) -> datetime:
+    for sub in subs:
+        if sub.covers(at):
+            return sub.billing_anchor
+    return CALENDAR_ANCHOR
+
+
+def _next_period(subs: list[Subscription], start: datetime) -> tuple[datetime, datetime]:
+    """Return [start, end): from ``start`` to the next boundary of the anchor in force."""
+    _, end = period_bounds(_anchor(subs, start), start)
+    return start, end
+
+
+def _targets(orgs: Iterable[tuple], *, now: datetime, due_only: bool) -> list[Target]:
+    orgs = list(orgs)
+    ids = [o[0] for o in orgs]
+    last_end = dict(Invoice.objects.filter(organization_id__in=ids, kind=InvoiceKind.INVOICE)
+                    .values("organization_id").annotate(end=Max("period_end"))
+                    .values_list("organization_id", "end"))
+    subs: dict[int, list[Subscription]] = {}
+    for sub in Subscription.objects.filter(organization_id__in=ids).order_by("starts_at"):
+        subs.setdefault(sub.organization_id, []).append(sub)
+    out = []
+    for org_id, currency, tax_rate, created_at in orgs:
+        org_subs = subs.get(org_id, [])
+        start = last_end.get(org_id)
+        if start is None:
+            start = period_bounds(_anchor(org_subs, created_at), created_at)[0]
+        start, end = _next_period(org_subs, start)
+        if due_only and end > now:
+            continue
+        out.append(Target(org_id, currency, tax_rate, start, end))
+    return out
+
+
+def periods_due(*, now: datetime | None = None, org_ids: Iterable[int] | None = None
+                ) -> list[Target]:
+    """Return, per organization, its oldest period that has ended and has no invoice yet."""
+    orgs = Organization.objects.exclude(status=OrgStatus.CLOSED)
+    if org_ids is not None:
+        orgs = orgs.filter(id__in=list(org_ids))
+    return _targets(orgs.order_by("id").values_list("id", "currency", "tax_rate", "created_at"),
+                    now=now or timezone.now(), due_only=True)
+
+
+def periods_open(*, org_ids: Iterable[int] | None = None) -> list[Target]:
+    """Return, per organization (closed ones too), its oldest period without an invoice.
+
+    That is the period its draft bills: the current one, or an ended one not closed yet.
+    """
+    orgs = Organization.objects.all()
+    if org_ids is not None:
+        orgs = orgs.filter(id__in=list(org_ids))
+    return _targets(orgs.order_by("id").values_list("id", "currency", "tax_rate", "created_at"),
+                    now=timezone.now(), due_only=False)
+
+
+def upcoming_invoice(*, organization: Organization, now: datetime | None = None
+                     ) -> DraftInvoice:
+    """Return the current period's invoice as it stands now (not stored; credits previewed)."""
+    now = now or timezone.now()
+    (target,) = _targets([(organization.id, organization.currency, organization.tax_rate,
+                           organization.created_at)], now=now, due_only=False)
+    draft = build_drafts([target])[organization.id]
+    left = sum((g.remaining for g in CreditGrant.objects.filter(
+        organization=organization, currency=draft.currency, remaining__gt=0,
+        granted_at__lte=now).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))), ZERO)
+    if draft.total > 0 and left > 0:
+        draft.add_credit(min(left, draft.total))
+    return draft
+
+
+# --- invoices --------------------------------------------------------------------------------
 
 CSV_HEADER = ("invoice", "position", "kind", "description", "model", "region", "service_tier",
               "capacity_source", "token_class", "quantity", "unit", "unit_price",

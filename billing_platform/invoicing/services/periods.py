@@ -1,0 +1,248 @@
+"""Period close: invoice every organization whose billing period has ended, in bulk.
+
+``period_close_run`` works on chunks of organizations, each chunk in one transaction: lock the
+chunk's organizations (``FOR NO KEY UPDATE SKIP LOCKED``, so a second closer running at the
+same time skips what the first holds), re-check under the lock that the period is still
+unbilled, build every invoice with a fixed number of SQL queries (``builder.build_drafts``),
+apply credit grants, take gapless numbers from a locked sequence row, insert invoices, lines,
+the billed-usage ledger and one audit row per invoice (``invoice.finalize``, as a draft
+finalized by hand writes) in bulk, and mark them open. Charges are enqueued after commit. One
+invoice per org per period is also a database constraint, so even a closer that ignored the
+locks could not bill a period twice. Which periods are due is a read (``selectors``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, ProgrammingError, connection, transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from billing_platform.accounts.models import Organization, public_id
+from billing_platform.audit.services import audit_record_many
+from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
+from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus
+from billing_platform.invoicing.models import BilledUsage, Invoice, InvoiceLine
+from billing_platform.invoicing.money import ZERO
+from billing_platform.invoicing.selectors import periods_due
+from billing_platform.invoicing.services.invoices import (
+    invoice_finalized_state,
+    invoice_numbers_reserve,
+    invoice_series,
+)
+from billing_platform.invoicing.services.payments import invoice_charges_enqueue
+from plans.models import CreditGrant
+from plans.services import credit_grants_apply
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CloseReport:
+    """What a period-close run did."""
+
+    invoices: int = 0
+    passes: int = 0
+    skipped_locked: int = 0
+    failed_orgs: list[int] = field(default_factory=list)  # left open, each logged with its error
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+
+def _credit_reference(target: Target) -> str:
+    return f"invoice:{target.org_id}:{target.period_start:%Y%m%dT%H%M%S}"
+
+
+def _apply_credits(drafts: dict[int, DraftInvoice], *, now: datetime) -> None:
+    with_credit = set(CreditGrant.objects.filter(
+        organization_id__in=list(drafts), remaining__gt=0, granted_at__lte=now)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .values_list("organization_id", flat=True))
+    for org_id in sorted(with_credit):
+        draft = drafts[org_id]
+        if draft.total <= 0:
+            continue
+        applications = credit_grants_apply(
+            organization=Organization(pk=org_id), currency=draft.currency, amount=draft.total,
+            reference=_credit_reference(draft.target), at=now)
+        draft.add_credit(sum((a.amount for a in applications), ZERO))
+
+
+def _persist(drafts: list[DraftInvoice], *, now: datetime, acting_user: Any) -> list[Invoice]:
+    """Insert finalized invoices, their lines, billed-usage and audit rows; return the invoices."""
+    if not drafts:
+        return []
+    series = invoice_series(kind=InvoiceKind.INVOICE, at=now)
+    first = invoice_numbers_reserve(series=series, count=len(drafts))
+    net = timedelta(days=settings.INVOICING_NET_DAYS)
+    invoices = Invoice.objects.bulk_create([
+        Invoice(public_id=public_id("in"), organization_id=d.target.org_id,
+                kind=InvoiceKind.INVOICE, number=f"{series}-{first + i:06d}",
+                status=InvoiceStatus.DRAFT, currency=d.currency,
+                period_start=d.target.period_start, period_end=d.target.period_end,
+                tax_rate=d.target.tax_rate, subtotal=d.subtotal, tax=d.tax,
+                credits_applied=d.credits_applied, total=d.total, amount_due=d.total,
+                created_at=now)
+        for i, d in enumerate(drafts)], batch_size=2000)
+    lines, billed = [], []
+    for invoice, d in zip(invoices, drafts, strict=True):
+        for pos, ln in enumerate(d.lines, start=1):
+            lines.append(InvoiceLine(
+                invoice_id=invoice.id, position=pos, kind=ln.kind, description=ln.description,
+                model=ln.model, region=ln.region, service_tier=ln.service_tier,
+                capacity_source=ln.capacity_source, token_class=ln.token_class,
+                source_period_start=ln.source_period_start,
+                source_period_end=ln.source_period_end, quantity=ln.quantity, unit=ln.unit,
+                unit_price=ln.unit_price, amount_precise=ln.amount_precise, amount=ln.amount,
+                details=ln.details))
+        for u in d.billed:
+            billed.append(BilledUsage(
+                invoice_id=invoice.id, organization_id=d.target.org_id,
+                source_period_start=u.source_period_start, model=u.model, region=u.region,
+                service_tier=u.service_tier, capacity_source=u.capacity_source,
+                amount=u.amount, requests=u.requests, prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                input_amount=u.input_amount, cached_input_amount=u.cached_input_amount,
+                output_amount=u.output_amount))
+    InvoiceLine.objects.bulk_create(lines, batch_size=5000)
+    BilledUsage.objects.bulk_create(billed, batch_size=5000)
+    ids = [i.id for i in invoices]
+    Invoice.objects.filter(id__in=ids, amount_due__gt=0).update(
+        status=InvoiceStatus.OPEN, finalized_at=now, due_at=now + net)
+    # Nothing to pay (no usage, or credits covered it): settled at once, as Stripe does.
+    Invoice.objects.filter(id__in=ids, amount_due__lte=0).update(
+        status=InvoiceStatus.PAID, finalized_at=now, due_at=now, paid_at=now)
+    for invoice in invoices:  # as the two updates left the rows
+        invoice.finalized_at = now
+        if invoice.amount_due > 0:
+            invoice.status, invoice.due_at = InvoiceStatus.OPEN, now + net
+        else:
+            invoice.status, invoice.due_at, invoice.paid_at = InvoiceStatus.PAID, now, now
+    audit_record_many(acting_user=acting_user, action="invoice.finalize", rows=[
+        (i.organization_id, i.public_id, None, invoice_finalized_state(i)) for i in invoices])
+    return invoices
+
+
+def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool,
+                 acting_user: Any) -> tuple[int, int]:
+    """Close one chunk in one transaction; return (invoices created, orgs skipped as locked)."""
+    by_org = {t.org_id: t for t in targets}
+    with transaction.atomic():
+        locked = list(Organization.objects.select_for_update(no_key=True, skip_locked=True)
+                      .filter(id__in=list(by_org)).order_by("id").values_list("id", flat=True))
+        # Re-check under the lock: another closer may have billed the period meanwhile.
+        billed_until = dict(
+            Invoice.objects.filter(organization_id__in=locked, kind=InvoiceKind.INVOICE)
+            .values("organization_id").annotate(end=Max("period_end"))
+            .values_list("organization_id", "end"))
+        todo = [by_org[o] for o in locked
+                if billed_until.get(o) is None or billed_until[o] <= by_org[o].period_start]
+        drafts = build_drafts(todo)
+        _apply_credits(drafts, now=now)
+        invoices = _persist([drafts[t.org_id] for t in todo], now=now,
+                            acting_user=acting_user)
+        if enqueue_payments:
+            due = [i.id for i in invoices if i.amount_due > 0]
+            transaction.on_commit(lambda: invoice_charges_enqueue(due))
+    return len(invoices), len(targets) - len(locked)
+
+
+MAX_FAILED_ORGS = 20
+
+
+def _close_isolating(targets: list[Target], *, now: datetime, enqueue_payments: bool,
+                     report: CloseReport, acting_user: Any) -> int:
+    """Close a chunk; if it fails, close its halves, down to the organization at fault.
+
+    One organization whose data cannot be invoiced (an amount past the columns' range, a
+    constraint broken by hand) is logged and left for a person, and never holds back the
+    invoices of the others. What no organization could get past fails the whole run: a
+    database that is down (the task retries), a schema or query error (a bug), or more than
+    ``MAX_FAILED_ORGS`` organizations failing (the fault is not theirs).
+    """
+    try:
+        created, skipped = _close_chunk(targets, now=now, enqueue_payments=enqueue_payments,
+                                        acting_user=acting_user)
+    except (OperationalError, InterfaceError, ProgrammingError):
+        raise
+    except Exception:
+        if len(report.failed_orgs) >= MAX_FAILED_ORGS:
+            raise
+        if len(targets) > 1:
+            mid = len(targets) // 2
+            return sum(_close_isolating(part, now=now, enqueue_payments=enqueue_payments,
+                                        report=report, acting_user=acting_user)
+                       for part in (targets[:mid], targets[mid:]))
+        t = targets[0]
+        log.exception("period close: organization %s, period %s to %s, could not be invoiced; "
+                      "fix its data and the next run invoices it", t.org_id,
+                      t.period_start.date(), t.period_end.date())
+        with report.lock:
+            report.failed_orgs.append(t.org_id)
+        return 0
+    with report.lock:
+        report.skipped_locked += skipped
+    return created
+
+
+def _close_chunks(chunks: list[list[Target]], *, now: datetime, enqueue_payments: bool,
+                  report: CloseReport, acting_user: Any) -> list[int]:
+    """Close the chunks, ``INVOICING_CLOSE_WORKERS`` at a time; return invoices per chunk.
+
+    The usage query of a chunk runs on one PostgreSQL backend (one core), so chunks closed on
+    separate connections at once use the database's other cores. Chunks hold disjoint orgs;
+    the only lock they share is the invoice-number row, taken at the end of each, so numbers
+    stay gapless.
+    """
+    workers = min(settings.INVOICING_CLOSE_WORKERS, len(chunks))
+
+    def close(part: list[Target]) -> int:
+        return _close_isolating(part, now=now, enqueue_payments=enqueue_payments,
+                                report=report, acting_user=acting_user)
+
+    if workers <= 1 or connection.in_atomic_block:  # inside a transaction: stay in it
+        return [close(part) for part in chunks]
+
+    def close_in_thread(part: list[Target]) -> int:
+        try:
+            return close(part)
+        finally:
+            connection.close()  # this thread's own connection
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="period-close") as pool:
+        return list(pool.map(close_in_thread, chunks))
+
+
+def period_close_run(*, now: datetime | None = None, org_ids: Iterable[int] | None = None,
+                     enqueue_payments: bool = True, chunk: int | None = None,
+                     acting_user: Any = None) -> CloseReport:
+    """Invoice every organization whose period ended; safe to run twice or concurrently.
+
+    Each pass closes the oldest unbilled period of every organization, so an organization
+    several periods behind gets one invoice per period, in order. Each invoice is audited
+    (``invoice.finalize``) by ``acting_user``, None for the system (the beat task).
+    """
+    now = now or timezone.now()
+    chunk = chunk or settings.INVOICING_CLOSE_CHUNK
+    report = CloseReport()
+    ids = list(org_ids) if org_ids is not None else None
+    while True:
+        failed = set(report.failed_orgs)
+        targets = [t for t in periods_due(now=now, org_ids=ids) if t.org_id not in failed]
+        if not targets:
+            break
+        report.passes += 1
+        chunks = [targets[i:i + chunk] for i in range(0, len(targets), chunk)]
+        created = sum(_close_chunks(chunks, now=now, enqueue_payments=enqueue_payments,
+                                    report=report, acting_user=acting_user))
+        report.invoices += created
+        if created == 0:  # everything left is held by a concurrent closer
+            break
+    return report

@@ -1,0 +1,282 @@
+"""What Stripe tells us about payments: signed webhooks, and the sync for webhooks lost.
+
+Only a PaymentIntent this platform created is believed, found by the id recorded on our charge
+attempt (never by its metadata), and the invoice becomes ``paid`` only when that PaymentIntent
+received exactly the amount due; any other payment is left for finance (``needs_review``, an
+audit row). A webhook is refused outright while ``STRIPE_WEBHOOK_SECRET`` is unset; a verified
+one is stored raw first and applied exactly once (a replay changes nothing). ``payments_sync``
+settles what no webhook reported, by sending an unanswered attempt again with its key or
+reading the PaymentIntent back. Outcomes are booked with ``payments``' helpers, so a payment
+and its audit row are the same whether a webhook, the sync or a person recorded it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+import stripe
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from billing_platform.audit.services import audit_record
+from billing_platform.errors import DomainError, InvalidRequest
+from billing_platform.invoicing import stripe_client
+from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
+from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt, StripeEvent
+from billing_platform.invoicing.money import minor_units, to_minor_units
+from billing_platform.invoicing.services.payments import (
+    invoice_charge,
+    invoice_charges_enqueue,
+    invoice_settle,
+    payment_failure_book,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _money_minor_text(minor: object, currency: str) -> str:
+    if not isinstance(minor, int) or isinstance(minor, bool):
+        return f"{minor!r} (not an amount)"
+    return f"{Decimal(minor).scaleb(-minor_units(currency)):.{minor_units(currency)}f} {currency}"
+
+
+def _review(*, organization_id: int | None, target: str, reason: str,
+            details: dict[str, str]) -> str:
+    """Record a payment that settles nothing for finance (an audit row); return the outcome."""
+    audit_record(acting_user=None, organization=organization_id, action="payment.review",
+                 target=target, after={"reason": reason, **details})
+    log.warning("payment left for finance review: %s (%s)", reason, target)
+    return f"review: {reason}"[:300]
+
+
+def _unknown_payment_intent(intent: dict, *, pi_id: str) -> str:
+    """A PaymentIntent no charge attempt of ours recorded: believe nothing it says."""
+    if intent.get("status") != "succeeded":
+        return "ignored: not a payment this platform created"
+    metadata = intent.get("metadata") or {}
+    claimed, number = str(metadata.get("invoice_id") or ""), str(metadata.get("attempt") or "")
+    # The answer to our own charge can still be on its way here: an attempt is committed before
+    # Stripe is called and its PaymentIntent id recorded after the answer. Such an attempt is
+    # settled by payments_sync, which sends it again with its key and reads Stripe's answer; this
+    # event pays nothing either way.
+    if claimed.isdigit() and number.isdigit() and PaymentAttempt.objects.filter(
+            invoice_id=int(claimed), number=int(number), status=PaymentStatus.PENDING,
+            stripe_payment_intent_id="").exists():
+        return "deferred: the charge's answer is not recorded yet; payments_sync settles it"
+    return _review(
+        organization_id=None, target=pi_id[:80],
+        reason="a PaymentIntent this platform did not create"
+               + (f" claims invoice id {claimed[:40]}" if claimed else ""),
+        details={"payment_intent": pi_id, "claimed_invoice_id": claimed[:40],
+                 "amount_received": str(intent.get("amount_received")),
+                 "currency": str(intent.get("currency") or "")[:8]})
+
+
+def _payment_intent_succeeded(intent: dict, *, attempt: PaymentAttempt, invoice: Invoice,
+                              now: datetime) -> str:
+    """Pay the (locked) invoice if the PaymentIntent received exactly its amount due."""
+    if attempt.status == PaymentStatus.NEEDS_REVIEW:
+        return "no change: held for finance review"
+    if invoice.status == InvoiceStatus.PAID and attempt.status == PaymentStatus.SUCCEEDED:
+        return "no change"  # a replay, or the sync and the webhook both reporting it
+    received = intent.get("amount_received")
+    currency = str(intent.get("currency") or "").upper()
+    due = to_minor_units(invoice.amount_due, invoice.currency)
+    def minor(value: object) -> str:
+        return _money_minor_text(value, invoice.currency)
+
+    code, problem = "", ""
+    if currency != invoice.currency.upper():
+        code = "currency_mismatch"
+        problem = f"received {currency or 'no currency'}, the invoice is in {invoice.currency}"
+    elif received != due or isinstance(received, bool):
+        code, problem = "amount_mismatch", f"received {minor(received)} of {minor(due)} due"
+    elif invoice.status not in (InvoiceStatus.OPEN, InvoiceStatus.UNCOLLECTIBLE,
+                                InvoiceStatus.PAID):
+        code = "invoice_not_payable"
+        problem = f"received the amount due of a {invoice.status} invoice"
+    if problem:
+        attempt.status = PaymentStatus.NEEDS_REVIEW
+        attempt.failure_code = code
+        attempt.failure_message = problem[:500]
+        attempt.updated_at = now
+        attempt.save(update_fields=["status", "failure_code", "failure_message", "updated_at"])
+        return _review(organization_id=invoice.organization_id, target=invoice.public_id,
+                       reason=f"invoice {invoice.number}: {problem}",
+                       details={"payment_intent": attempt.stripe_payment_intent_id,
+                                "attempt": attempt.idempotency_key})
+    if attempt.status != PaymentStatus.SUCCEEDED:
+        attempt.status, attempt.updated_at = PaymentStatus.SUCCEEDED, now
+        attempt.save(update_fields=["status", "updated_at"])
+    paid = invoice_settle(
+        invoice, amount=invoice.amount_due, now=now, acting_user=None, action="invoice.pay",
+        details={"method": "stripe", "payment_intent": attempt.stripe_payment_intent_id})
+    return "paid" if paid else "no change"
+
+
+def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
+    """Apply a PaymentIntent's state (from a verified webhook or a sync) to our invoice.
+
+    Only a PaymentIntent this platform created is believed: it is found by the id recorded on
+    our charge attempt, never by its metadata (whoever can create a PaymentIntent on the Stripe
+    account writes what metadata they like). It pays the invoice only when it received exactly
+    the amount due, in the invoice's currency. Anything else books nothing, marks the attempt
+    ``needs_review`` (no further charge is made) and returns ``review: <reason>``, with an
+    audit row, for finance. Idempotent.
+    """
+    pi_id = str(intent.get("id") or "")
+    attempt = (PaymentAttempt.objects.select_for_update().filter(stripe_payment_intent_id=pi_id)
+               .first() if pi_id else None)
+    if attempt is None:
+        return _unknown_payment_intent(intent, pi_id=pi_id)
+    invoice = (Invoice.objects.select_for_update().select_related("organization")
+               .get(pk=attempt.invoice_id))
+    status = intent.get("status")
+    if status == "succeeded":
+        return _payment_intent_succeeded(intent, attempt=attempt, invoice=invoice, now=now)
+    if status in ("requires_payment_method", "canceled"):
+        if attempt.status in (PaymentStatus.FAILED, PaymentStatus.NEEDS_REVIEW):
+            return "no change"
+        error = intent.get("last_payment_error") or {}
+        attempt.status = PaymentStatus.FAILED
+        attempt.failure_code = (error.get("code") or status)[:100]
+        attempt.failure_message = (error.get("message") or "")[:500]
+        attempt.updated_at = now
+        attempt.save()
+        if invoice.status == InvoiceStatus.OPEN:
+            payment_failure_book(invoice, attempt, now=now)
+        return "failed"
+    return "no change"
+
+
+def _customer_updated(customer: dict, *, now: datetime) -> str:
+    """A customer with a default payment method (a new card after a decline, or a first one):
+    retry the org's open invoices now instead of at the next dunning date, as Stripe does."""
+    if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
+        return "no change: no default payment method"
+    customer_id = customer.get("id")
+    account = (BillingAccount.objects.filter(stripe_customer_id=customer_id).first()
+               if customer_id else None)
+    if account is None:
+        return "ignored: not one of our customers"
+    due = list(Invoice.objects.select_for_update()
+               .filter(organization_id=account.organization_id, status=InvoiceStatus.OPEN,
+                       amount_due__gt=0)
+               .filter(Q(next_payment_attempt_at__isnull=True)
+                       | Q(next_payment_attempt_at__gt=now)))
+    for invoice in due:
+        invoice.next_payment_attempt_at = now
+        invoice.save(update_fields=["next_payment_attempt_at"])
+    ids = [i.id for i in due]
+    transaction.on_commit(lambda: invoice_charges_enqueue(ids))
+    return f"retrying {len(ids)} open invoice(s)"
+
+
+PAYMENT_INTENT_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.payment_failed",
+                                   "payment_intent.canceled"})
+
+
+# Stripe's events are a few kB (lists inside them are truncated); a body past this is refused
+# unread, before its signature is even computed.
+STRIPE_WEBHOOK_MAX_BYTES = 1024 * 1024
+
+
+class WebhookNotConfigured(DomainError):
+    """The endpoint has no signing secret, so no delivery can be told from a forgery."""
+
+    code = "webhook_not_configured"
+    status = 503
+
+
+class PayloadTooLarge(DomainError):
+    code = "payload_too_large"
+    status = 413
+
+
+def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
+    """Verify a webhook's signature, then store its raw body and apply it exactly once.
+
+    Nothing the sender wrote is believed or stored before the signature verifies against
+    ``STRIPE_WEBHOOK_SECRET``. With no secret set nothing is accepted
+    (``WebhookNotConfigured``, naming the setting); a body over ``STRIPE_WEBHOOK_MAX_BYTES``
+    is refused unread (``PayloadTooLarge``); a bad signature is recorded by its size only
+    (``InvalidRequest``). A verified event that pays nothing it claims is ``needs_review``.
+    """
+    if not settings.STRIPE_WEBHOOK_SECRET.strip():
+        raise WebhookNotConfigured(
+            "Stripe webhooks are refused: STRIPE_WEBHOOK_SECRET is not set. Set it to this "
+            "endpoint's signing secret (whsec_...) from Stripe's webhook settings.",
+            param="STRIPE_WEBHOOK_SECRET")
+    if len(payload) > STRIPE_WEBHOOK_MAX_BYTES:
+        raise PayloadTooLarge(f"A Stripe webhook body is at most {STRIPE_WEBHOOK_MAX_BYTES} "
+                              "bytes.", param="body")
+    try:
+        event = stripe_client.webhook_event(payload, signature)
+    except (stripe.SignatureVerificationError, ValueError) as exc:
+        StripeEvent.objects.create(payload="", payload_bytes=len(payload),
+                                   signature=signature[:500],
+                                   outcome=f"rejected: {type(exc).__name__}"[:300])
+        raise InvalidRequest("Invalid Stripe signature.", param="Stripe-Signature") from exc
+    body = event.to_dict()
+    obj = (body.get("data") or {}).get("object") or {}
+    now = timezone.now()
+    with transaction.atomic():
+        raw = StripeEvent(stripe_id=body.get("id") or None, type=str(body.get("type") or "")[:100],
+                          payload=payload.decode("utf-8", errors="replace"),
+                          payload_bytes=len(payload), signature=signature[:500], verified=True,
+                          received_at=now)
+        try:
+            with transaction.atomic():  # waits for a concurrent delivery of the same event
+                raw.save()
+        except IntegrityError:
+            raw.stripe_id = None
+            raw.outcome, raw.processed_at = "duplicate: already processed", now
+            raw.save()
+            return raw
+        if raw.stripe_id is None:
+            raw.outcome = "ignored: no event id"
+        elif raw.type in PAYMENT_INTENT_EVENTS:
+            raw.outcome = _apply_payment_intent(obj, now=now)
+        elif raw.type == "customer.updated":
+            raw.outcome = _customer_updated(obj, now=now)
+        else:
+            raw.outcome = "ignored: event type not handled"
+        raw.outcome = raw.outcome[:300]
+        raw.needs_review = raw.outcome.startswith("review:")
+        raw.processed_at = now
+        raw.save(update_fields=["outcome", "needs_review", "processed_at"])
+    return raw
+
+
+def payments_sync(*, older_than: timedelta = timedelta(minutes=30),
+                  now: datetime | None = None) -> int:
+    """Settle attempts still unsettled here; return how many invoices moved.
+
+    Attempts whose answer never arrived (the worker died mid-call, retries ran out) are sent
+    again with their key; attempts Stripe answered are read back from Stripe (a webhook lost).
+    """
+    now = now or timezone.now()
+    moved: set[int] = set()
+    for invoice_id in (PaymentAttempt.objects
+                       .filter(invoice__status=InvoiceStatus.OPEN, status=PaymentStatus.PENDING,
+                               stripe_payment_intent_id="", updated_at__lte=now - older_than)
+                       .values_list("invoice_id", flat=True)):
+        if invoice_charge(invoice_id=invoice_id, now=now) in ("succeeded", "failed"):
+            moved.add(invoice_id)
+    for attempt_id, invoice_id, pi_id in (
+            PaymentAttempt.objects
+            .filter(invoice__status=InvoiceStatus.OPEN,
+                    status__in=[PaymentStatus.PENDING, PaymentStatus.SUCCEEDED],
+                    updated_at__lte=now - older_than)
+            .exclude(stripe_payment_intent_id="")
+            .values_list("id", "invoice_id", "stripe_payment_intent_id")):
+        intent = stripe_client.payment_intent_retrieve(pi_id).to_dict()
+        with transaction.atomic():
+            if _apply_payment_intent(intent, now=now) in ("paid", "failed"):
+                moved.add(invoice_id)
+        log.info("payment attempt %s synced from Stripe", attempt_id)
+    return len(moved)
