@@ -23,21 +23,15 @@ import redis
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
-from prometheus_client import Counter
 
 from billing_platform.errors import DomainError, InvalidRequest
 from metering import conf, events, partitions, recording, spool, stream
 from metering.events import UsageEventData
+from metering.metrics import APPENDS, ID_CONFLICTS
 from metering.models import UsageDeadLetter, UsageEventId
 from metering.recording import RecordResult
 
 log = logging.getLogger(__name__)
-
-ID_CONFLICTS = Counter(
-    "tollgate_usage_id_conflicts_total",
-    "Usage events refused for claiming another source's request id (see usage_id_conflict).",
-    ["source"],
-)
 
 AppendPath = Literal["redis", "postgres", "spool"]
 
@@ -70,6 +64,7 @@ def _append_without_redis(data: Sequence[UsageEventData], payloads: Sequence[byt
         log.warning("usage event %s: PostgreSQL did not take it either (%s); spooling it",
                     first, exc)
     else:
+        APPENDS.labels("postgres").inc(len(data))
         return "postgres"
     try:
         writer = _spool_writer()
@@ -77,7 +72,9 @@ def _append_without_redis(data: Sequence[UsageEventData], payloads: Sequence[byt
             writer.append(payload)
     except OSError as exc:
         log.error("usage event %s could not be recorded anywhere: %s", first, exc)
+        APPENDS.labels("lost").inc(len(data))
         raise UsageNotRecorded(f"Usage event {first} could not be recorded.") from exc
+    APPENDS.labels("spool").inc(len(data))
     return "spool"
 
 
@@ -110,6 +107,7 @@ def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
             stream.breaker.trip()
             log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
         else:
+            APPENDS.labels("redis").inc(len(payloads))
             return "redis"
     return _append_without_redis(data, payloads)
 
@@ -125,6 +123,7 @@ async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> Appe
             stream.breaker.trip()
             log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
         else:
+            APPENDS.labels("redis").inc()
             return "redis"
     return await sync_to_async(_append_without_redis)([data], [payload])
 

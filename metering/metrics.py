@@ -1,0 +1,182 @@
+"""Metering's metrics: what was rated, where appends went, and the pipeline's backlog.
+
+Counters are incremented where the work happens (the gateway's append, the record path of the
+consumer and the fallbacks); ``usage_recorded`` runs only once a batch's transaction committed,
+so a batch rolled back and retried is counted once. ``MeteringCollector`` reads the stream, the
+dead letters and the spool when ``/metrics`` is scraped (see ``billing_platform.metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from decimal import Decimal
+
+import redis
+from django.db import connection, transaction
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from metering import conf, spool, stream
+from metering.choices import EventSource
+
+log = logging.getLogger(__name__)
+
+USAGE_TOKENS = Counter(
+    "tollgate_usage_tokens_total",
+    "Tokens of recorded usage events, by token class (input = uncached prompt tokens, "
+    "cached_input, output).", ["model", "service_tier", "region", "token_class"])
+USAGE_AMOUNT = Counter(
+    "tollgate_usage_rated_amount_total",
+    "Rated amount of recorded usage events, in the price book's currency (a float: the exact "
+    "amounts are in PostgreSQL).", ["model", "service_tier", "region", "currency"])
+USAGE_EVENTS = Counter(
+    "tollgate_usage_events_total", "Usage events recorded (each once), by request status.",
+    ["model", "service_tier", "region", "status"])
+APPENDS = Counter(
+    "tollgate_usage_appends_total",
+    "Usage events appended by the gateway and batch runner, by where they went (redis; "
+    "postgres or spool when Redis failed; lost when nothing took them).", ["path"])
+ID_CONFLICTS = Counter(
+    "tollgate_usage_id_conflicts_total",
+    "Usage events refused for claiming another source's request id (see usage_id_conflict).",
+    ["source"],
+)
+
+# Known label values start at 0, so an alert on increase() sees the first event too.
+for _path in ("redis", "postgres", "spool", "lost"):
+    APPENDS.labels(_path)
+for _source in EventSource.values:
+    ID_CONFLICTS.labels(_source)
+
+# How many dead letters are counted at most: beyond this the gauge says "at least".
+DEAD_LETTER_COUNT_CAP = 100_000
+_ROLLUP_MODEL, _ROLLUP_REGION, _ROLLUP_TIER, _ROLLUP_CURRENCY = 3, 4, 5, 7
+
+
+def usage_recorded(sums: Mapping[tuple, list]) -> None:
+    """Count a committed batch's events, tokens and amounts from its rollup sums.
+
+    ``sums`` is ``recording._Rollups.sums``: (org, project, key, model, region, tier,
+    capacity, currency, hour) -> [requests, errors, aborted, prompt, cached, completion,
+    normalized, amount, ...]. Aggregated first, so a batch costs one increment per label set.
+    """
+    per: dict[tuple[str, str, str, str], list] = {}
+    for key, acc in sums.items():
+        labels = (key[_ROLLUP_MODEL], key[_ROLLUP_TIER], key[_ROLLUP_REGION],
+                  key[_ROLLUP_CURRENCY])
+        total = per.get(labels)
+        if total is None:
+            total = per[labels] = [0, 0, 0, 0, 0, 0, Decimal(0)]
+        for i in range(6):
+            total[i] += acc[i]
+        total[6] += acc[7]
+    for (model, tier, region, currency), (n, errors, aborted, prompt, cached, completion,
+                                          amount) in per.items():
+        USAGE_EVENTS.labels(model, tier, region, "ok").inc(n - errors - aborted)
+        if errors:
+            USAGE_EVENTS.labels(model, tier, region, "engine_error").inc(errors)
+        if aborted:
+            USAGE_EVENTS.labels(model, tier, region, "client_aborted").inc(aborted)
+        USAGE_TOKENS.labels(model, tier, region, "input").inc(prompt - cached)
+        USAGE_TOKENS.labels(model, tier, region, "cached_input").inc(cached)
+        USAGE_TOKENS.labels(model, tier, region, "output").inc(completion)
+        if currency:
+            USAGE_AMOUNT.labels(model, tier, region, currency).inc(float(amount))
+
+
+def usage_recorded_on_commit(sums: Mapping[tuple, list]) -> None:
+    """Count a batch's usage once the transaction it is recorded in commits (never before)."""
+    transaction.on_commit(lambda: usage_recorded(sums))
+
+
+class MeteringCollector:
+    """Ingest backlog and lag (Redis), dead letters (PostgreSQL), the spool (this host's disk)."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._stream()
+        yield from self._dead_letters()
+        yield from self._spool()
+
+    @staticmethod
+    def _stream() -> Iterator[Metric]:
+        r = stream.client(socket_timeout=1.0)
+        key, group = conf.stream_key(), conf.consumer_group()
+        length = r.xlen(key)
+        info = None
+        if length:
+            try:
+                info = next((g for g in r.xinfo_groups(key)
+                             if g["name"] in (group, group.encode())), None)
+            except redis.ResponseError:  # the stream vanished between the two calls
+                info = None
+        if info is None:
+            # no consumer has ever joined: everything on the stream waits
+            backlog, oldest = length, (r.xrange(key, count=1) if length else [])
+        else:
+            pending = int(info["pending"])
+            lag = info.get("lag")
+            backlog = pending + (int(lag) if lag is not None else length)
+            if pending:
+                oldest_id = r.xpending(key, group)["min"]
+                oldest = [(oldest_id, None)]
+            else:
+                last = info["last-delivered-id"]
+                last = last.decode() if isinstance(last, bytes) else last
+                oldest = r.xrange(key, min=f"({last}", count=1)
+        age = 0.0
+        if oldest:
+            seconds, micros = r.time()
+            age = max(0.0, seconds + micros / 1e6 - stream.entry_ms(oldest[0][0]) / 1000)
+        yield _gauge("tollgate_ingest_backlog_events",
+                     "Usage events on the stream not yet recorded in PostgreSQL (undelivered "
+                     "plus delivered but unacknowledged).", backlog)
+        yield _gauge("tollgate_ingest_lag_seconds",
+                     "Age of the oldest usage event on the stream not yet recorded (0: none "
+                     "waiting).", age)
+        yield _gauge("tollgate_usage_stream_length_events",
+                     "Entries on the usage stream (recorded ones are trimmed every few "
+                     "seconds).", length)
+
+    @staticmethod
+    def _dead_letters() -> Iterator[Metric]:
+        from metering.models import UsageDeadLetter
+
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SET LOCAL statement_timeout = 2000")
+            count = (UsageDeadLetter.objects.filter(resolved_at__isnull=True)
+                     [:DEAD_LETTER_COUNT_CAP].count())
+        yield _gauge("tollgate_usage_dead_letters",
+                     f"Unresolved dead-lettered usage events (counted up to "
+                     f"{DEAD_LETTER_COUNT_CAP}).", count)
+
+    @staticmethod
+    def _spool() -> Iterator[Metric]:
+        files, size, oldest = 0, 0, None
+        directory = conf.spool_dir()
+        try:
+            entries = list(directory.iterdir())
+        except FileNotFoundError:
+            entries = []
+        for path in entries:
+            if path.suffix not in (spool.SUFFIX, spool.CLAIMED):
+                continue
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # replayed meanwhile
+                continue
+            files += 1
+            size += st.st_size
+            oldest = st.st_mtime if oldest is None else min(oldest, st.st_mtime)
+        yield _gauge("tollgate_usage_spool_bytes",
+                     "Bytes of usage events spooled on this host's disk, waiting for replay "
+                     "(written only while Redis and PostgreSQL were both down).", size)
+        yield _gauge("tollgate_usage_spool_files", "Spool files on this host.", files)
+        yield _gauge("tollgate_usage_spool_oldest_age_seconds",
+                     "Age of the oldest spool file on this host (0: none).",
+                     0.0 if oldest is None else max(0.0, time.time() - oldest))
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
