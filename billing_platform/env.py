@@ -44,6 +44,10 @@ _DEV_SECRET = "dev-insecure-secret-key-change-me-in-production-0123456789"  # no
 SECRET_KEY: str = _secret("SECRET_KEY", dev_default=_DEV_SECRET)
 DEBUG: bool = env.bool("DEBUG", default=not PRODUCTION)
 ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["*"] if not PRODUCTION else [])
+# Console and admin login throttle (django-axes): this many failed logins per (username, client
+# address) lock that pair out for the cool-off period.
+LOGIN_FAILURE_LIMIT: int = env.int("TOLLGATE_LOGIN_FAILURE_LIMIT", default=5)
+LOGIN_COOLOFF_MINUTES: int = env.int("TOLLGATE_LOGIN_COOLOFF_MINUTES", default=15)
 
 STRIPE_API_KEY: str = env.str("STRIPE_API_KEY", default="")
 # Unset outside production: the webhook endpoint accepts nothing (and says what to set), since a

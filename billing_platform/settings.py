@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import environ
+from csp.constants import NONCE, NONE, SELF
 
 from billing_platform import env as E
 
@@ -23,6 +26,8 @@ INSTALLED_APPS = [
     "django_prometheus",
     "rest_framework",
     "drf_spectacular",
+    "axes",
+    "csp",
     "billing_platform.accounts",
     "billing_platform.audit",
     "billing_platform.idempotency",
@@ -38,6 +43,7 @@ MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    "csp.middleware.CSPMiddleware",
     "billing_platform.audit.context.RequestIdMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -45,6 +51,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # turns a locked-out login into the lockout page
     "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
@@ -94,6 +101,40 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "console:login"
 LOGIN_REDIRECT_URL = "console:dashboard"
 LOGOUT_REDIRECT_URL = "console:login"
+
+# --- security ---------------------------------------------------------------------------------
+# Login throttle (django-axes) for the console and the admin: LOGIN_FAILURE_LIMIT failed logins
+# for one username from one client address lock that pair out for the cool-off (each further
+# try restarts it); other users and other addresses are unaffected; a success resets the count.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = E.LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = timedelta(minutes=E.LOGIN_COOLOFF_MINUTES)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_USERNAME_FORM_FIELD = "username"  # the login form's field (it holds the e-mail)
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "billing_platform.console.login_views.login_locked_out"
+
+# Content-Security-Policy (django-csp) on every Django page: scripts, styles and everything else
+# from this site only, no inline script or style attribute (the console's behaviour lives in
+# console/static/console/console.js), a nonce where a page must inline a style (invoices, whose
+# one template also makes the PDF). Swagger UI loads its assets from a CDN and inlines its
+# start-up script, so the API docs page is left out.
+CONTENT_SECURITY_POLICY = {
+    "EXCLUDE_URL_PREFIXES": ["/api/v1/docs/"],
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, NONCE],
+        "img-src": [SELF, "data:"],
+        "object-src": [NONE],
+        "base-uri": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+    },
+}
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -152,7 +193,9 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": "INFO"},
     "loggers": {"django.db.backends": {"level": "WARNING"},
                 # one line per engine health probe is noise; failures still show
-                "httpx": {"level": "WARNING"}},
+                "httpx": {"level": "WARNING"},
+                # failed logins and lockouts (WARNING) show; its per-attempt bookkeeping not
+                "axes": {"level": "WARNING"}},
 }
 
 # Gateway: largest /v1 JSON body accepted (413 above it).

@@ -292,4 +292,5 @@ def invoice_document(request: HttpRequest, access: OrgAccess, invoice_id: str,
         response = HttpResponse(rendering.invoice_csv(invoice), content_type="text/csv")
         response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
         return response
-    return HttpResponse(rendering.invoice_html(invoice, access.organization))
+    return HttpResponse(rendering.invoice_html(invoice, access.organization,
+                                               csp_nonce=str(request.csp_nonce)))

@@ -81,9 +81,11 @@ def document_of(invoice: Invoice | DraftInvoice, organization: Organization) -> 
     )
 
 
-def invoice_html(invoice: Invoice | DraftInvoice, organization: Organization) -> str:
-    """Return the invoice as an HTML page."""
-    return render_to_string(TEMPLATE, {"doc": document_of(invoice, organization)})
+def invoice_html(invoice: Invoice | DraftInvoice, organization: Organization, *,
+                 csp_nonce: str = "") -> str:
+    """Return the invoice as an HTML page (its inline style carries ``csp_nonce`` when served)."""
+    return render_to_string(TEMPLATE, {"doc": document_of(invoice, organization),
+                                       "csp_nonce": csp_nonce})
 
 
 def invoice_pdf(invoice: Invoice | DraftInvoice, organization: Organization) -> bytes:

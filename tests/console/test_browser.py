@@ -5,40 +5,17 @@ revoke it after the confirmation page, and see the gateway refuse it.
 from __future__ import annotations
 
 import re
-import shutil
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import start_gateway, stop_gateway
+from tests.console.conftest import CHROMIUM
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
                        "installs Debian's chromium where it can: apt-get install chromium)"),
     pytest.mark.django_db(transaction=True),
 ]
-
-
-@pytest.fixture
-def live_console(tmp_path):
-    server = start_gateway(tmp_path)
-    yield server
-    stop_gateway(server)
-
-
-@pytest.fixture
-def page(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"])
-        context = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
-        yield context.new_page()
-        browser.close()
 
 
 def test_sign_up_create_copy_and_revoke_a_key_in_chromium(live_console, page, tmp_path):

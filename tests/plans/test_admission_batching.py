@@ -15,7 +15,6 @@ import pytest
 
 from billing_platform.redis_conn import get_aredis
 from plans import admission
-from plans.admission.runtime import _Reloading
 from plans.pricing import ModelPricing, PriceSet
 
 
@@ -195,7 +194,7 @@ def test_a_stale_policy_is_served_while_one_reload_runs():
         loads.append(kwargs["tag"])
         return f"policy {len(loads)}"
 
-    cache = _Reloading(load)
+    cache = admission._Reloading(load)
 
     async def run() -> tuple:
         first = await cache.get("k", tag="a")  # nothing cached: waits for the load
@@ -227,7 +226,7 @@ def test_a_failed_reload_keeps_serving_the_old_policy_and_is_tried_again():
             raise answer
         return answer
 
-    cache = _Reloading(load)
+    cache = admission._Reloading(load)
 
     async def run() -> list:
         seen = [await cache.get("k")]
