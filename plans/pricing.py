@@ -14,10 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Context, Decimal, localcontext
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from plans.choices import DEFAULT_CACHED_INPUT_FRACTION, MultiplierDimension, TokenClass
 from plans.models import ContextBand, ModelPrice, PriceBook, PriceMultiplier, PriceVersion
+
+if TYPE_CHECKING:
+    from plans.rating import UsageFacts
 
 AMOUNT_QUANTUM = Decimal("1E-10")
 ZERO = Decimal("0")
@@ -27,8 +30,13 @@ ONE = Decimal("1")
 EXACT = Context(prec=100, rounding=ROUND_HALF_EVEN)
 
 
-class TokenCounts(Protocol):
-    """What pricing needs of an event (``plans.rating.UsageFacts`` has it)."""
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """What pricing needs of a request: its token counts, tier and zone.
+
+    A usage event (``plans.rating.UsageFacts``) carries the same fields; admission builds one
+    of these to price a request it settles before the event is rated.
+    """
 
     prompt_tokens: int
     cached_tokens: int
@@ -98,7 +106,7 @@ class ModelPricing:
         return self.tier.get(tier, ONE) * self.zone.get(zone, ONE)
 
 
-def exact_lines(pricing: ModelPricing, f: TokenCounts) -> dict[str, Decimal]:
+def exact_lines(pricing: ModelPricing, f: TokenCounts | UsageFacts) -> dict[str, Decimal]:
     """Return the on-demand amount of each token class, exact (not yet rounded)."""
     prices = pricing.prices_for(f.prompt_tokens)
     with localcontext(EXACT):

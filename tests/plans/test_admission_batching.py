@@ -15,6 +15,7 @@ import pytest
 
 from billing_platform.redis_conn import get_aredis
 from plans import admission
+from plans.admission.runtime import _Reloading
 from plans.pricing import ModelPricing, PriceSet
 
 
@@ -194,7 +195,7 @@ def test_a_stale_policy_is_served_while_one_reload_runs():
         loads.append(kwargs["tag"])
         return f"policy {len(loads)}"
 
-    cache = admission._Reloading(load)
+    cache = _Reloading(load)
 
     async def run() -> tuple:
         first = await cache.get("k", tag="a")  # nothing cached: waits for the load
@@ -226,7 +227,7 @@ def test_a_failed_reload_keeps_serving_the_old_policy_and_is_tried_again():
             raise answer
         return answer
 
-    cache = admission._Reloading(load)
+    cache = _Reloading(load)
 
     async def run() -> list:
         seen = [await cache.get("k")]

@@ -1,0 +1,71 @@
+"""Admission: ONE atomic Redis step per request that checks and reserves every quota together.
+
+Rate limits (RPM/TPM per key, project, org), hard budgets (a worst-case reservation, settled
+to the actual cost), a blocking token plan's period and rolling window, and provisioned
+capacity are checked and taken by one Lua script, so gateway processes never race each other.
+
+The package, in the order a request meets it:
+
+- ``policy``: what is enforced, as values (``QuotaPolicy`` and its rules, ``QuotaExceeded``),
+  the Redis key names and the micro-units counters hold. No IO.
+- ``loading``: the policy of a (key, model) read from PostgreSQL, and a key's limits.
+- ``decision``: estimates, the scripts' arguments, ``Ticket``, headers and 429 texts. No IO.
+- ``scripts``: all the Lua.
+- ``runtime``: the reloading policy cache, the batcher, and the async API the gateway calls
+  (``apolicy``, ``aadmit``, ``asettle``, ``apeek_headers``).
+
+``from plans import admission`` and ``admission.<name>`` give the public names of all of them.
+"""
+
+from plans.admission.decision import (
+    SPEND_CODES,
+    Ticket,
+    actual_micro,
+    build_admit,
+    credits_micro,
+    explain,
+    prompt_token_bound,
+    rate_headers,
+    spend_limit_error,
+    worst_case_micro,
+)
+from plans.admission.policy import (
+    MICRO,
+    RESERVATION_TTL_MS,
+    BudgetRule,
+    ProvisionedRule,
+    QuotaExceeded,
+    QuotaPolicy,
+    WindowRule,
+    budget_key,
+    from_micro,
+    month_tag,
+    prov_key,
+    rate_key,
+    reservations_key,
+    rule_key,
+    to_micro,
+    window_key,
+)
+from plans.admission.runtime import (
+    MAX_BATCH,
+    POLICY_STALE_S,
+    POLICY_TTL_S,
+    Limits,
+    aadmit,
+    alimits,
+    apeek_headers,
+    apolicy,
+    asettle,
+)
+from plans.admission.scripts import ADMIT_LUA, PEEK_LUA, PRELUDE_LUA, PURGE_LUA, STEP_LUA
+
+__all__ = [
+    "ADMIT_LUA", "MAX_BATCH", "MICRO", "PEEK_LUA", "POLICY_STALE_S", "POLICY_TTL_S",
+    "PRELUDE_LUA", "PURGE_LUA", "RESERVATION_TTL_MS", "SPEND_CODES", "STEP_LUA", "BudgetRule",
+    "Limits", "ProvisionedRule", "QuotaExceeded", "QuotaPolicy", "Ticket", "WindowRule",
+    "aadmit", "actual_micro", "alimits", "apeek_headers", "apolicy", "asettle", "budget_key",
+    "build_admit", "credits_micro", "explain", "from_micro", "month_tag", "prompt_token_bound",
+    "prov_key", "rate_headers", "rate_key", "reservations_key", "rule_key", "spend_limit_error",
+    "to_micro", "window_key", "worst_case_micro",
+]

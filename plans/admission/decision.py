@@ -1,0 +1,267 @@
+"""The decision of one request, in Python: estimates, the script's arguments, headers, the 429.
+
+Why a module of its own: the Lua in ``scripts`` decides, but everything it is told and
+everything it answers is built and read here, with no IO: what a request may cost at worst
+(``worst_case_micro``) and what it did cost (``actual_micro``), the KEYS and ARGV of an
+admission (``build_admit``) and of its settlement (``Ticket.settle_args``), OpenAI's
+``x-ratelimit-*`` headers, and the words and code of each 429. ``runtime`` sends what this
+module builds; tests can check a decision's arguments and texts without Redis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import ROUND_CEILING, Decimal
+
+from plans.admission.policy import (
+    MICRO,
+    RESERVATION_TTL_MS,
+    BudgetRule,
+    QuotaExceeded,
+    QuotaPolicy,
+    month_tag,
+    prov_key,
+    reservations_key,
+    to_micro,
+    window_key,
+)
+from plans.pricing import ModelPricing, TokenCounts, exact_lines, normalized_tokens, rounded_lines
+
+# One ARGV value of a script call (Redis receives every value as a string), and one value of
+# a script's answer (integers, or strings as bytes or text).
+Arg = str | int
+RedisValue = int | str | bytes
+
+# --- estimates ------------------------------------------------------------------------------
+
+def prompt_token_bound(prompt_text: str, messages: int) -> int:
+    """Return an upper bound of the prompt's tokens: a token is at least one UTF-8 byte.
+
+    The chat template adds a few tokens per message (ChatML: ``<|im_start|>role\\n ...
+    <|im_end|>\\n``) and the assistant prefix; 8 per message and 8 more cover it.
+    """
+    return len(prompt_text.encode()) + 8 * max(messages, 1) + 8
+
+
+def worst_case_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prompt_tokens: int,
+                     max_output: int) -> int:
+    """Return the worst-case cost of a request in micro-units (no cache hit).
+
+    Priced at the dearest band the prompt can reach: a band applies when the prompt exceeds
+    its threshold, and the prompt has at most ``prompt_tokens``, so a band at or above that
+    bound can never apply (pricing every request at the top band made a hard budget stop far
+    short of its limit).
+    """
+    if pricing is None:
+        return 0
+    sets = [pricing.base, *[p for above, p in pricing.bands if prompt_tokens > above]]
+    p_in = max(max(s.input, s.cached_input, s.cache_write) for s in sets)
+    p_out = max(s.output for s in sets)
+    mult = pricing.multiplier(tier, zone)
+    # micro-units of (tokens x price per 1M / 1M) == tokens x price per 1M
+    return int(((prompt_tokens * p_in + max_output * p_out) * mult)
+               .to_integral_value(rounding=ROUND_CEILING))
+
+
+def actual_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prompt_tokens: int,
+                 cached_tokens: int, completion_tokens: int) -> int:
+    """Return what rating will charge for these counts, in micro-units rounded up."""
+    if pricing is None or prompt_tokens + completion_tokens == 0:
+        return 0
+    counts = TokenCounts(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                         completion_tokens=completion_tokens, cache_write_tokens=0,
+                         service_tier=tier, data_zone=zone)
+    _lines, amount = rounded_lines(exact_lines(pricing, counts))
+    return to_micro(amount)
+
+
+def credits_micro(coefficients: tuple[Decimal, Decimal, Decimal], *, prompt_tokens: int,
+                  cached_tokens: int, completion_tokens: int) -> int:
+    """Return token-plan credits (micro-credits, rounded up) of these counts."""
+    c_in, c_cached, c_out = coefficients
+    exact = ((prompt_tokens - cached_tokens) * c_in + cached_tokens * c_cached
+             + completion_tokens * c_out) * MICRO
+    return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
+# --- the decision ---------------------------------------------------------------------------
+
+def _duration(ms: int) -> str:
+    """OpenAI's reset format: ``1s``, ``6m0s``, ``20ms``."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    seconds = math.ceil(ms / 1000)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+def rate_headers(raw: Sequence[RedisValue]) -> dict[str, str]:
+    """Return OpenAI's ``x-ratelimit-*`` headers of the limits, remaining and resets a script
+    answers (-1: no such limit)."""
+    lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok = (int(x) for x in raw)
+    headers = {}
+    if lim_req >= 0:
+        headers.update({"x-ratelimit-limit-requests": str(lim_req),
+                        "x-ratelimit-remaining-requests": str(rem_req),
+                        "x-ratelimit-reset-requests": _duration(reset_req)})
+    if lim_tok >= 0:
+        headers.update({"x-ratelimit-limit-tokens": str(lim_tok),
+                        "x-ratelimit-remaining-tokens": str(rem_tok),
+                        "x-ratelimit-reset-tokens": _duration(reset_tok)})
+    return headers
+
+
+@dataclass
+class Ticket:
+    """An admitted request: what it holds, and how to settle it."""
+
+    policy: QuotaPolicy
+    request_id: str
+    tier: str
+    zone: str
+    estimate_tokens: int
+    estimate_norm: int
+    capacity: str
+    headers: dict[str, str]
+    budget_keys: list[str]
+    reservation: str = ""  # the member of the org's reservation ZSET ("" when none)
+    admitted_ms: int = 0  # Redis's clock at admission
+    settled: bool = False
+    window_key: str = ""
+
+    def settle_args(self, *, prompt_tokens: int, cached_tokens: int,
+                    completion_tokens: int) -> tuple[list[str], list[Arg]]:
+        p = self.policy
+        cost = actual_micro(p.pricing, tier=self.tier, zone=self.zone,
+                            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                            completion_tokens=completion_tokens)
+        keys = [reservations_key(p.org_id), *self.budget_keys]
+        refunds = [(k, tpm) for k, _rpm, tpm in p.rate_scopes if tpm >= 0]
+        provisioned = self.capacity == "provisioned" and p.provisioned is not None
+        argv: list[Arg] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
+                           len(refunds) + int(provisioned), self.admitted_ms]
+        for rule in p.budgets:
+            argv.append(cost if rule.coefficients is None else credits_micro(
+                rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                completion_tokens=completion_tokens))
+        if self.window_key and p.window is not None:
+            keys.append(self.window_key)
+            argv += [credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
+                                   cached_tokens=cached_tokens,
+                                   completion_tokens=completion_tokens), p.window.window_ms]
+        unused = self.estimate_tokens - prompt_tokens - completion_tokens
+        for key, cap in refunds:
+            keys.append(key)
+            argv += [cap, unused]
+        if provisioned:
+            norm = normalized_tokens(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                                     completion_tokens=completion_tokens,
+                                     cache_burndown=p.provisioned.cache_burndown,
+                                     output_burndown=p.provisioned.output_burndown)
+            keys.append(prov_key(p.org_id, p.provisioned.reservation_id))
+            argv += [p.provisioned.tokens_per_minute, self.estimate_norm - norm]
+        return keys, argv
+
+
+SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
+               "project": "project_spend_limit_exceeded"}
+
+
+def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
+                prompt_tokens: int, max_output: int, month: str | None = None
+                ) -> tuple[list[str], list[Arg], list[str], int]:
+    """Return (KEYS, ARGV, budget keys, normalized estimate) of one admission.
+
+    The window key, when the policy has one, follows the budget keys in KEYS.
+    """
+    p = policy
+    est = prompt_tokens + max_output
+    static_keys, static_argv = p.static_admit
+    keys = list(static_keys)
+    argv: list[Arg] = [request_id, RESERVATION_TTL_MS, est, len(p.rate_scopes),
+                       len(p.budgets), int(p.provisioned is not None),
+                       int(p.window is not None), *static_argv]
+    bkeys: list[str] = []
+    if p.budgets:
+        worst = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                                 max_output=max_output)
+        bkeys = p.budget_keys(month or month_tag())
+        keys += bkeys
+        for b, (limit, seed, hard) in zip(p.budgets, p.budget_static, strict=True):
+            rule_worst = worst if b.coefficients is None else credits_micro(
+                b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
+                completion_tokens=max_output)
+            argv += [limit, rule_worst, seed, hard]
+    if p.window is not None:
+        w = p.window
+        keys.append(window_key(p.org_id, w.subscription_id))
+        argv += [to_micro(w.limit), credits_micro(w.coefficients, prompt_tokens=prompt_tokens,
+                                                  cached_tokens=0, completion_tokens=max_output),
+                 w.window_ms, " ".join(f"{m} {v}" for m, v in w.seed)]
+    norm = 0
+    if p.provisioned is not None:
+        r = p.provisioned
+        norm = math.ceil(prompt_tokens + max_output * r.output_burndown)
+        keys.append(prov_key(p.org_id, r.reservation_id))
+        argv += [r.tokens_per_minute, norm, int(r.reject_overflow)]
+    return keys, argv, bkeys, norm
+
+
+def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue], retry_ms: int,
+            *, estimate: int, now: datetime | None = None) -> QuotaExceeded:
+    """Turn the script's rejection into OpenAI's 429 (message, code, headers)."""
+    headers = rate_headers(raw_headers)
+    if retry_ms < 0:  # spend limit reached by settled spend: nothing changes before next month
+        now = now or datetime.now(tz=UTC)
+        nxt = (datetime(now.year + (now.month == 12), now.month % 12 + 1, 1, tzinfo=UTC))
+        retry_ms = int((nxt - now).total_seconds() * 1000)
+    headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
+    headers["retry-after-ms"] = str(max(retry_ms, 0))
+    if reason == "requests":
+        msg = (f"Rate limit reached for requests per minute (RPM): Limit "
+               f"{headers.get('x-ratelimit-limit-requests')}. Please try again in "
+               f"{_duration(retry_ms)}.")
+        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers)
+    if reason in ("tokens", "too_large"):
+        limit = headers.get("x-ratelimit-limit-tokens")
+        if reason == "too_large":
+            headers.pop("retry-after", None)
+            headers.pop("retry-after-ms", None)
+            msg = (f"Request too large for tokens per minute (TPM): Limit {limit}, Requested "
+                   f"{estimate}. Reduce the prompt or max_tokens.")
+        else:
+            msg = (f"Rate limit reached for tokens per minute (TPM): Limit {limit}, Requested "
+                   f"{estimate}. Please try again in {_duration(retry_ms)}.")
+        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers)
+    if reason.startswith("budget:"):
+        rule = policy.budgets[int(reason.split(":")[1]) - 1]
+        if rule.scope == "plan":
+            return QuotaExceeded(
+                f"Your token plan's credits for this period are used up (limit "
+                f"{rule.limit.normalize():f} credits, this request may need more than is left)."
+                f" Buy a credit pack or wait for the next period.",
+                code="plan_quota_exhausted", headers=headers)
+        return spend_limit_error(rule, headers)
+    if reason == "window" and policy.window is not None:
+        return QuotaExceeded(
+            f"Your token plan's credits for the rolling {policy.window.hours}-hour window are "
+            f"used up (limit {policy.window.limit.normalize():f} credits, this request may need "
+            f"more than is left). Please try again in {_duration(retry_ms)}.",
+            code="plan_quota_exhausted", headers=headers)
+    if reason == "provisioned":
+        headers["x-tollgate-capacity"] = "provisioned"
+        return QuotaExceeded("Your provisioned capacity is fully used and its overflow policy "
+                             "rejects excess requests.", code="rate_limit_exceeded",
+                             headers=headers)
+    return QuotaExceeded("Quota exceeded.", code="rate_limit_exceeded", headers=headers)
+
+
+def spend_limit_error(rule: BudgetRule, headers: dict[str, str]) -> QuotaExceeded:
+    who = "organization" if rule.scope == "organization" else "project"
+    return QuotaExceeded(
+        f"You exceeded your {who}'s monthly spend limit ({rule.limit.normalize():f}). "
+        f"Raise the budget in the console or wait for the next month.",
+        code=SPEND_CODES[rule.scope], headers=headers)

@@ -1,0 +1,289 @@
+"""The admission the gateway calls: cached policies, batched script calls, the async API.
+
+Why a module of its own: this is the only part of admission that holds state and does IO. It
+keeps each (key, model) policy for ``POLICY_TTL_S`` and reloads it off the request path
+(``_Reloading``), sends the admissions and settlements of one event-loop tick to Redis as ONE
+script call (``_Batcher``: the script runs them one after the other, each as if alone), and
+offers the four calls the gateway and the batch runner make: ``apolicy``, ``aadmit``,
+``asettle``, ``apeek_headers``. What is decided and how it is worded is ``decision``'s.
+
+Time is Redis's own clock (``TIME``), so gateway hosts with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+from billing_platform.redis_conn import PipelinedConnection, get_aredis, get_pipelined
+from plans.admission import scripts
+from plans.admission.decision import (
+    Arg,
+    Ticket,
+    build_admit,
+    explain,
+    rate_headers,
+    spend_limit_error,
+)
+from plans.admission.policy import QuotaExceeded, QuotaPolicy, rate_key, window_key
+from plans.metrics import timed_admission
+
+log = logging.getLogger(__name__)
+
+Limits = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
+POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
+# How long past its TTL a policy may still be served while its reload runs; older than that,
+# a request waits for the reload (a key idle for a while gets no stale limits).
+POLICY_STALE_S = 30.0
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Reloading(Generic[K, V]):
+    """Values read from PostgreSQL, fresh for ``POLICY_TTL_S``, reloaded off the request path.
+
+    Past its TTL a value is still served while ONE task per key reloads it, so no request
+    waits for the reload (~15 ms of queries) and concurrent requests do not each start one;
+    a change (limits, budgets, suspension) takes effect within the TTL plus one reload. Past
+    ``POLICY_STALE_S`` more, or when nothing is cached, the request waits for the reload.
+    A reload that fails leaves the old value in place and is tried again by the next request.
+    """
+
+    def __init__(self, load: Callable[..., V]) -> None:
+        self.load = load
+        self.items: dict[K, tuple[float, V]] = {}
+        self.loading: dict[K, asyncio.Task[V]] = {}
+
+    async def get(self, key: K, **kwargs: Any) -> V:
+        now = time.monotonic()
+        hit = self.items.get(key)
+        if hit is not None and now - hit[0] < POLICY_TTL_S:
+            return hit[1]
+        loop = asyncio.get_running_loop()
+        task = self.loading.get(key)
+        if task is None or task.get_loop() is not loop:
+            task = self.loading[key] = loop.create_task(self._reload(key, kwargs))
+            task.add_done_callback(self._done)
+        if hit is not None and now - hit[0] < POLICY_TTL_S + POLICY_STALE_S:
+            return hit[1]
+        return await asyncio.shield(task)
+
+    async def _reload(self, key: K, kwargs: dict[str, Any]) -> V:
+        started = time.monotonic()
+        try:
+            value = await sync_to_async(self.load, thread_sensitive=False)(**kwargs)
+        finally:
+            if self.loading.get(key) is asyncio.current_task():
+                del self.loading[key]
+        if len(self.items) > 50_000:  # keys x models seen by this process
+            self.items.clear()
+        self.items[key] = (started, value)
+        return value
+
+    @staticmethod
+    def _done(task: asyncio.Task[V]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("quota policy reload failed: %r", task.exception())
+
+
+def _load_policy(**kwargs: Any) -> QuotaPolicy:
+    from plans.quotas import quota_policy_load
+
+    return quota_policy_load(**kwargs)
+
+
+def _load_limits(**kwargs: Any) -> Limits:
+    from plans.quotas import limits_of
+
+    rpm, tpm, _regions = limits_of(**kwargs)
+    return rpm, tpm
+
+
+_policies: _Reloading[tuple[int, str], QuotaPolicy] = _Reloading(_load_policy)
+_limits: _Reloading[int, Limits] = _Reloading(_load_limits)
+
+
+async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> QuotaPolicy:
+    """Return the (key, model) policy, re-read from PostgreSQL about every POLICY_TTL_S."""
+    return await _policies.get((key_id, model), organization_id=org_id,
+                               project_id=project_id, key_id=key_id, model=model)
+
+
+# One operation of a batch: its kind ('a' admit | 's' settle), KEYS, ARGV, and who waits.
+_Op = tuple[str, list[str], list[Arg], asyncio.Future[Any]]
+
+
+class _Batcher:
+    """Send the admissions and settlements of one event-loop tick as ONE script call.
+
+    The script runs them one after the other, each exactly as it would run alone (a batch
+    only shares the round trip, the command parsing and the script's start-up, which is what
+    bounds decisions per second from one process); an operation that fails answers its own
+    error. A request waits at most one loop iteration longer than it would alone.
+    All keys of one organization share a hash tag; a batch mixes organizations, so this
+    client targets one Redis server (a Redis Cluster client would batch per hash slot).
+    """
+
+    def __init__(self, connection: PipelinedConnection) -> None:
+        self.connection = connection
+        self.pending: list[_Op] = []
+        self.scheduled = False
+        self.flushing: set[asyncio.Task[None]] = set()
+        self.sha: str | None = None
+
+    async def call(self, kind: str, keys: list[str], argv: list[Arg]) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((kind, keys, argv, future))
+        if len(self.pending) >= MAX_BATCH:
+            # A full batch goes now: Redis runs it while this process prepares the next one.
+            self._spawn(loop, self.pending)
+            self.pending = []
+        elif not self.scheduled:
+            # The flush's first step runs at the next loop iteration, after every other
+            # call() made in this one has joined the batch.
+            self.scheduled = True
+            self._spawn(loop, None)
+        return await future
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, batch: list[_Op] | None) -> None:
+        task = loop.create_task(self._flush(batch))
+        self.flushing.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self.flushing.discard)
+
+    async def _run(self, batch: list[_Op]) -> list[Any]:
+        all_keys: list[str] = []
+        all_argv: list[Arg] = [len(batch)]
+        for kind, keys, argv, _future in batch:
+            all_keys += keys
+            all_argv += [kind, len(keys), len(argv), *argv]
+        if self.sha is None:
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
+        try:
+            return await self.connection.execute(
+                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+        except NoScriptError:
+            # Redis lost its script cache (a restart): nothing ran; load it and run again.
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
+            return await self.connection.execute(
+                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+
+    async def _flush(self, batch: list[_Op] | None) -> None:
+        if batch is None:
+            self.scheduled = False
+            batch, self.pending = self.pending, []
+            if not batch:
+                return
+        try:
+            results = await self._run(batch)
+        except Exception as exc:
+            for *_rest, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (*_rest, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+# Operations per script call: big enough to share the round trip, small enough that two
+# batches overlap (Redis runs one while this process answers the other).
+MAX_BATCH = 32
+_batchers: weakref.WeakKeyDictionary[PipelinedConnection, _Batcher] | None = None
+_last: tuple[asyncio.AbstractEventLoop, _Batcher] | None = None
+
+
+def _batcher() -> _Batcher:
+    """Return the batcher of the running loop's pipelined Redis connection (one per loop)."""
+    global _batchers, _last
+    loop = asyncio.get_running_loop()
+    if _last is not None and _last[0] is loop:
+        return _last[1]
+    if _batchers is None:
+        _batchers = weakref.WeakKeyDictionary()
+    connection = get_pipelined()
+    batcher = _batchers.get(connection)
+    if batcher is None:
+        batcher = _batchers[connection] = _Batcher(connection)
+    _last = (loop, batcher)
+    return batcher
+
+
+@timed_admission
+async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
+                 prompt_tokens: int, max_output: int) -> Ticket:
+    """Admit one request or raise ``QuotaExceeded``; the returned ticket must be settled."""
+    for rule in policy.budgets:
+        if rule.suspended:
+            raise spend_limit_error(rule, {"retry-after": "60"})
+    if policy.plan_exhausted:
+        raise QuotaExceeded(f"Your token plan's credits are exhausted: "
+                            f"{policy.plan_exhausted}. Buy a credit pack or wait.",
+                            code="plan_quota_exhausted", headers={"retry-after": "60"})
+    keys, argv, bkeys, norm = build_admit(
+        policy, request_id=request_id, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+        max_output=max_output)
+    raw = await _batcher().call("a", keys, argv)
+    ok, reason, retry, capacity = int(raw[0]), raw[1], int(raw[2]), raw[3]
+    if not ok:
+        raise explain(policy, reason, raw[4:10], retry, estimate=prompt_tokens + max_output)
+    headers = rate_headers(raw[4:10])
+    if capacity != "on_demand":
+        headers["x-tollgate-capacity"] = capacity
+    return Ticket(policy=policy, request_id=request_id, tier=tier, zone=zone,
+                  estimate_tokens=prompt_tokens + max_output, estimate_norm=norm,
+                  capacity=capacity, headers=headers, budget_keys=bkeys, reservation=raw[10],
+                  admitted_ms=int(raw[11]),
+                  window_key=(window_key(policy.org_id, policy.window.subscription_id)
+                              if policy.window is not None else ""))
+
+
+async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int = 0,
+                  completion_tokens: int = 0) -> None:
+    """Replace the ticket's reservation with the actual tokens and cost (once)."""
+    if ticket.settled:
+        return
+    ticket.settled = True
+    keys, argv = ticket.settle_args(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                                    completion_tokens=completion_tokens)
+    await _batcher().call("s", keys, argv)
+
+
+# --- read-only state for answers that were not admitted ------------------------------------
+
+_peek_script: AsyncScript | None = None
+
+
+async def alimits(*, org_id: int, project_id: int, key_id: int) -> Limits:
+    """Return the key's (rpm, tpm) limits per scope, from a cached policy or PostgreSQL."""
+    return await _limits.get(key_id, organization_id=org_id, project_id=project_id,
+                             key_id=key_id)
+
+
+async def apeek_headers(*, org_id: int, project_id: int, key_id: int) -> dict[str, str]:
+    """Return the key's ``x-ratelimit-*`` headers now, consuming nothing."""
+    global _peek_script
+    rpm, tpm = await alimits(org_id=org_id, project_id=project_id, key_id=key_id)
+    client = get_aredis()
+    if _peek_script is None:
+        _peek_script = client.register_script(scripts.PEEK_LUA)
+    rpm_of, tpm_of = dict(rpm), dict(tpm)
+    scopes = list(rpm_of) + [s for s in tpm_of if s not in rpm_of]
+    keys = [rate_key(org_id, s) for s in scopes]
+    argv = [v for s in scopes for v in (rpm_of.get(s, -1), tpm_of.get(s, -1))]
+    raw = await _peek_script(keys=keys, args=argv, client=client)
+    return rate_headers(raw)
