@@ -39,6 +39,7 @@ from billing_platform.accounts.selectors import authority_of
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import Forbidden, InvalidRequest
 from plans import admission
+from plans.admission import scripts
 from plans.models import Budget, BudgetAlert, QuotaLimit, Subscription
 
 log = logging.getLogger(__name__)
@@ -570,7 +571,7 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
 
     at = at or timezone.now()
     r = get_redis()
-    r.eval(admission.PURGE_LUA, 1, admission.reservations_key(budget.organization_id))
+    r.eval(scripts.PURGE_LUA, 1, admission.reservations_key(budget.organization_id))
     key = admission.budget_key(budget.organization_id, budget.id, at)
     start, end = month_bounds(at)
     pg = rated_spend(organization_id=budget.organization_id, project_id=budget.project_id,
@@ -579,11 +580,7 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
     fixed = False
     if raw is None or admission.from_micro(raw) < pg:
         # Redis lost spend (restart, flush): PostgreSQL is the truth. Max, never lower.
-        r.eval("local c = tonumber(redis.call('HGET', KEYS[1], 'spent') or '-1') "
-               "if c < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'spent', ARGV[1]) "
-               "redis.call('HSETNX', KEYS[1], 'reserved', 0) "
-               "redis.call('PEXPIRE', KEYS[1], 3456000000) end return 1",
-               1, key, admission.to_micro(pg))
+        r.eval(scripts.RAISE_SPENT_LUA, 1, key, admission.to_micro(pg))
         fixed = raw is not None
         if fixed:
             _audit(organization_id=budget.organization_id, action="budget.drift_fixed",

@@ -371,3 +371,12 @@ for i = 1, #KEYS do
 end
 return {lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok}
 """
+
+# Raise a budget's settled spend to PostgreSQL's when Redis is behind (a lost or flushed
+# Redis; the beat sweep's drift fix): max, never lower, as Redis is ahead by the events not yet
+# ingested. KEYS: the budget key; ARGV: PostgreSQL's spend in micro-units.
+RAISE_SPENT_LUA = (
+    "local c = tonumber(redis.call('HGET', KEYS[1], 'spent') or '-1') "
+    "if c < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'spent', ARGV[1]) "
+    "redis.call('HSETNX', KEYS[1], 'reserved', 0) "
+    "redis.call('PEXPIRE', KEYS[1], 3456000000) end return 1")
