@@ -106,7 +106,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         say("applying migrations")
         _manage("migrate", "--noinput", "-v", "0", env=env)
         _manage("seed_catalog", env=env)
-        _manage("seed_demo", env=env)
+        # the demo key is printed only to a terminal; the file is where a redirected run finds it
+        _manage("seed_demo", "--key-file",
+                str((E.STATE_DIR / "demo-key").relative_to(E.BASE_DIR)), env=env)
         say("starting the engine fleet" + (" (simulated pools only)" if args.sim_only else
             "; the first run builds real SGLang for the CPU (~3.5 GB, a few minutes)"))
         fleet_started = True

@@ -43,7 +43,40 @@ def _secret(name: str, *, dev_default: str) -> str:
 _DEV_SECRET = "dev-insecure-secret-key-change-me-in-production-0123456789"  # noqa: S105
 SECRET_KEY: str = _secret("SECRET_KEY", dev_default=_DEV_SECRET)
 DEBUG: bool = env.bool("DEBUG", default=not PRODUCTION)
-ALLOWED_HOSTS: list[str] = env.list("ALLOWED_HOSTS", default=["*"] if not PRODUCTION else [])
+
+
+def _allowed_hosts() -> list[str]:
+    """Return the host names served; production must name them (refuse to start otherwise)."""
+    hosts = [h.strip() for h in env.list("ALLOWED_HOSTS", default=[]) if h.strip()]
+    if PRODUCTION and not hosts:
+        raise ImproperlyConfigured(
+            "TOLLGATE_ENV=production requires ALLOWED_HOSTS to be set to the host names this "
+            "platform is served under, comma-separated (e.g. "
+            "ALLOWED_HOSTS=billing.example.com,api.example.com); it is unset or empty; "
+            "refusing to start.")
+    return hosts or ["*"]
+
+
+def _proxy_ssl_header(raw: str) -> tuple[str, str] | None:
+    """Parse ``"X-Forwarded-Proto: https"`` into ``("HTTP_X_FORWARDED_PROTO", "https")``."""
+    if not raw.strip():
+        return None
+    name, sep, value = raw.partition(":")
+    if not sep or not name.strip() or not value.strip():
+        raise ImproperlyConfigured(
+            f"TOLLGATE_SECURE_PROXY_SSL_HEADER must look like 'X-Forwarded-Proto: https' (the "
+            f"header your TLS-terminating proxy sets, and its value on HTTPS); got {raw!r}.")
+    return "HTTP_" + name.strip().upper().replace("-", "_"), value.strip()
+
+
+ALLOWED_HOSTS: list[str] = _allowed_hosts()
+# HTTPS in production (see the security section of settings.py). HSTS is sent only on requests
+# Django sees as HTTPS: behind a proxy that terminates TLS, name the header the proxy sets (only
+# if the proxy always sets or strips it, or clients could claim HTTPS).
+HSTS_SECONDS: int = env.int("TOLLGATE_HSTS_SECONDS", default=365 * 24 * 3600 if PRODUCTION else 0)
+HSTS_INCLUDE_SUBDOMAINS: bool = env.bool("TOLLGATE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_PROXY_SSL_HEADER: tuple[str, str] | None = _proxy_ssl_header(
+    env.str("TOLLGATE_SECURE_PROXY_SSL_HEADER", default=""))
 # Console and admin login throttle (django-axes): this many failed logins per (username, client
 # address) lock that pair out for the cool-off period.
 LOGIN_FAILURE_LIMIT: int = env.int("TOLLGATE_LOGIN_FAILURE_LIMIT", default=5)

@@ -103,6 +103,17 @@ LOGIN_REDIRECT_URL = "console:dashboard"
 LOGOUT_REDIRECT_URL = "console:login"
 
 # --- security ---------------------------------------------------------------------------------
+# Production (TOLLGATE_ENV=production; env.py refuses to start without ALLOWED_HOSTS and the
+# secrets): cookies travel over HTTPS only and browsers are told to use HTTPS for a year (HSTS,
+# sent on HTTPS requests; behind a TLS-terminating proxy set TOLLGATE_SECURE_PROXY_SSL_HEADER).
+SESSION_COOKIE_SECURE = E.PRODUCTION
+CSRF_COOKIE_SECURE = E.PRODUCTION
+SECURE_HSTS_SECONDS = E.HSTS_SECONDS
+SECURE_HSTS_INCLUDE_SUBDOMAINS = E.HSTS_INCLUDE_SUBDOMAINS
+SECURE_PROXY_SSL_HEADER = E.SECURE_PROXY_SSL_HEADER  # None (Django's default) unless configured
+# Error pages and error e-mails mask the password of every connection URL they show.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "billing_platform.error_reports.UrlMaskingReporterFilter"
+
 # Login throttle (django-axes) for the console and the admin: LOGIN_FAILURE_LIMIT failed logins
 # for one username from one client address lock that pair out for the cool-off (each further
 # try restarts it); other users and other addresses are unaffected; a success resets the count.
