@@ -112,5 +112,9 @@ def test_production_cookies_are_secure_hsts_is_sent_and_other_hosts_are_refused(
 
     # and a plain-HTTP request gets no HSTS (browsers ignore it there; the proxy redirects)
     assert "strict-transport-security" not in httpx.get(f"{base}/console/login/").headers
+    # and the console's stylesheet and script (what the CSP allows) are served without DEBUG
+    for asset in re.findall(r'(?:href|src)="(/static/console/[^"]+)"', page.text):
+        assert httpx.get(f"{base}{asset}").status_code == 200, asset
+    assert "/static/console/console.js" in page.text
     # and a request for another host name is refused
     assert httpx.get(f"{base}/console/login/", headers={"Host": "evil.example"}).status_code == 400
