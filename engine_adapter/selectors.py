@@ -34,10 +34,12 @@ def fleet_snapshot() -> FleetSnapshot:
     return FleetSnapshot(engines, healthy, loads)
 
 
-def zone_regions() -> dict[str, set[str]]:
-    """Return each data zone's regions, from the pools in the spec."""
+def zone_regions(*, in_spec_only: bool = True) -> dict[str, set[str]]:
+    """Return each data zone's regions, from the pools in the spec (or every pool ever known,
+    where past usage is judged: a pool that left the spec still served its zone)."""
+    pools = Pool.objects.filter(in_spec=True) if in_spec_only else Pool.objects.all()
     zones: dict[str, set[str]] = {}
-    for zone, region in Pool.objects.filter(in_spec=True).values_list("zone", "region"):
+    for zone, region in pools.values_list("zone", "region"):
         zones.setdefault(zone, set()).add(region)
     return zones
 

@@ -272,3 +272,36 @@ def usage_late_hours(*, since: Mapping[int, datetime]) -> dict[int, list[datetim
         for org, hour in cur:
             out.setdefault(org, []).append(hour)
     return out
+
+
+# --- Rated spend and residency, read by plans (budgets, admission's policy, the zone audit) ---
+# (plans owns budgets, quotas and data zones; the queries on metering's tables live here)
+
+def rated_spend(*, organization_id: int, project_id: int | None, start: datetime,
+                end: datetime) -> Decimal:
+    """Return the rated amount of an org's usage in [start, end), or of one of its projects.
+
+    From the hourly rollups, so whole hours: ``start`` and ``end`` are on the hour (a month).
+    """
+    qs = UsageRollupHourly.objects.filter(organization_id=organization_id, hour__gte=start,
+                                          hour__lt=end)
+    if project_id is not None:
+        qs = qs.filter(project_id=project_id)
+    return qs.aggregate(s=Sum("amount"))["s"] or Decimal("0")
+
+
+def usage_events_outside_regions(*, zone_regions: Mapping[str, set[str]], limit: int = 1000
+                                 ) -> list[dict[str, object]]:
+    """Return events of orgs in each data zone that ran in a region not among its regions.
+
+    ``zone_regions`` maps a data zone to its regions; at most ``limit`` events per zone. An
+    event without a region (not served by an engine) is never outside.
+    """
+    out: list[dict[str, object]] = []
+    for zone, regions in zone_regions.items():
+        rows = (UsageEvent.objects.filter(organization__data_zone=zone)
+                .exclude(region__in=regions).exclude(region="")
+                .values("request_id", "organization_id", "region", "event_time")[:limit])
+        out += [{**r, "data_zone": zone, "event_time": r["event_time"].isoformat()}
+                for r in rows]
+    return out

@@ -580,5 +580,5 @@ class ResidencyAuditApi(APIView):
     def get(self, request: Request) -> Response:
         if not is_staff(request.user):
             raise exceptions.PermissionDenied("Only Tollgate staff can read this.")
-        rows = quotas.usage_events_outside_zone()
+        rows = selectors.usage_events_outside_zone()
         return Response({"object": "list", "data": rows})

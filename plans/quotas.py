@@ -38,6 +38,7 @@ from billing_platform.accounts.models import ApiKey, Organization, Project
 from billing_platform.accounts.selectors import authority_of
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import Forbidden, InvalidRequest
+from metering.selectors import rated_spend
 from plans import admission
 from plans.admission import scripts
 from plans.models import Budget, BudgetAlert, QuotaLimit, Subscription
@@ -67,18 +68,6 @@ def month_bounds(at: datetime) -> tuple[datetime, datetime]:
 
 
 # --- selectors -----------------------------------------------------------------------------
-
-def rated_spend(*, organization_id: int, project_id: int | None, start: datetime,
-                end: datetime) -> Decimal:
-    """Return the rated amount of [start, end) in PostgreSQL (hourly rollups)."""
-    from metering.models import UsageRollupHourly
-
-    qs = UsageRollupHourly.objects.filter(organization_id=organization_id, hour__gte=start,
-                                          hour__lt=end)
-    if project_id is not None:
-        qs = qs.filter(project_id=project_id)
-    return qs.aggregate(s=Sum("amount"))["s"] or Decimal("0")
-
 
 def limits_of(*, organization_id: int, project_id: int, key_id: int
               ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
@@ -613,25 +602,3 @@ def budget_sweep() -> dict[str, Any]:
     for budget in Budget.objects.select_related("organization", "project"):
         results[budget.public_id] = budget_reconcile(budget=budget)
     return results
-
-
-def usage_events_outside_zone(*, limit: int = 1000) -> list[dict[str, Any]]:
-    """Return usage events that ran in a region outside their org's data zone (expect none).
-
-    A region belongs to a zone through the fleet's pools; an event of a non-global org whose
-    region is not among its zone's regions is a residency violation.
-    """
-    from engine_adapter.models import Pool
-    from metering.models import UsageEvent
-
-    zone_regions: dict[str, set[str]] = {}
-    for zone, region in Pool.objects.values_list("zone", "region").distinct():
-        zone_regions.setdefault(zone, set()).add(region)
-    out: list[dict[str, Any]] = []
-    for zone in (set(zone_regions) | {"us", "eu"}) - {"global"}:
-        rows = (UsageEvent.objects.filter(organization__data_zone=zone)
-                .exclude(region__in=zone_regions.get(zone, set())).exclude(region="")
-                .values("request_id", "organization_id", "region", "event_time")[:limit])
-        out += [{**r, "data_zone": zone, "event_time": r["event_time"].isoformat()}
-                for r in rows]
-    return out

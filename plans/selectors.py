@@ -10,6 +10,8 @@ from django.db.models import Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
+from engine_adapter.selectors import zone_regions
+from metering.selectors import usage_events_outside_regions
 from plans.choices import PlanKind, ReservationTerm
 from plans.models import (
     CreditGrant,
@@ -191,3 +193,16 @@ def credit_grants_of(*, organization: Organization) -> QuerySet[CreditGrant]:
     """Return an organization's grants, next to expire first."""
     return CreditGrant.objects.filter(organization=organization).order_by(
         "expires_at", "granted_at")
+
+
+def usage_events_outside_zone(*, limit: int = 1000) -> list[dict[str, object]]:
+    """Return usage events that ran in a region outside their org's data zone (expect none).
+
+    A region belongs to a zone through the fleet's pools (every pool known, in the spec or
+    not: past usage is judged); an event of a non-global org whose region is not among its
+    zone's regions is a residency violation. At most ``limit`` events per zone.
+    """
+    regions = zone_regions(in_spec_only=False)
+    zones = (set(regions) | {"us", "eu"}) - {"global"}
+    return usage_events_outside_regions(
+        zone_regions={zone: regions.get(zone, set()) for zone in zones}, limit=limit)

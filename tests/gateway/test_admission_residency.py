@@ -11,6 +11,7 @@ from engine_adapter.choices import EngineStatus
 from engine_adapter.models import EngineInstance
 from metering.models import UsageEvent
 from plans import quotas
+from plans.selectors import usage_events_outside_zone
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
 from tests.gateway.conftest import drain_usage
@@ -79,9 +80,9 @@ def test_the_residency_audit_lists_events_outside_their_zone(live_gateway):
 
     wait_until(ingested, timeout=10, what="events ingested")
     # then the audit finds none outside the zone ...
-    assert quotas.usage_events_outside_zone() == []
+    assert usage_events_outside_zone() == []
     # ... and would name one if it existed
     UsageEvent.objects.filter(organization=eu).update(region="us-east")
-    flagged = quotas.usage_events_outside_zone()
+    flagged = usage_events_outside_zone()
     assert {row["organization_id"] for row in flagged} == {eu.id}
     assert {row["region"] for row in flagged} == {"us-east"}
