@@ -53,3 +53,5 @@ app.conf.beat_schedule = {
                                     "options": {"expires": 21000.0}},
 }
 app.autodiscover_tasks()
+# every task's outcome and duration on /metrics (signal receivers, connected on import)
+import billing_platform.metrics  # noqa: E402, F401

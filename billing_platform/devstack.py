@@ -114,6 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         fleet_started = True
         _manage("fleet", "up", *(["--sim-only"] if args.sim_only else []), env=env)
         E.STATE_DIR.mkdir(exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_metrics_dir())
         celery = [sys.executable, "-m", "celery", "-A", "billing_platform"]
         commands = {
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
@@ -165,6 +166,19 @@ def cmd_up(args: argparse.Namespace) -> int:
             subprocess.run([sys.executable, "manage.py", "fleet", "down"], env=env,
                            cwd=E.BASE_DIR, check=False)
         services.stop()
+
+
+def fresh_metrics_dir() -> Path:
+    """Return the directory the processes of this run share their metrics in, emptied.
+
+    Each process writes its counters to files there and the web process's /metrics sums them
+    (billing_platform/metrics.py); a new run starts from zero, as a restarted process would.
+    """
+    path = Path(E.PROMETHEUS_MULTIPROC_DIR or E.STATE_DIR / "metrics")
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    return path
 
 
 def background_priority() -> None:

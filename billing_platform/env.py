@@ -7,6 +7,7 @@ crash. Secrets must be set explicitly when ``TOLLGATE_ENV=production``.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import environ
@@ -90,6 +91,21 @@ STRIPE_WEBHOOK_SECRET: str = _secret("STRIPE_WEBHOOK_SECRET", dev_default="")
 EMAIL_URL: str = env.str("EMAIL_URL", default="consolemail://")
 DEFAULT_FROM_EMAIL: str = env.str("DEFAULT_FROM_EMAIL", default="Tollgate <billing@tollgate.local>")
 PUBLIC_URL: str = env.str("TOLLGATE_PUBLIC_URL", default="http://127.0.0.1:8000")
+
+# /metrics (billing_platform/metrics.py): the client address must be in one of these networks
+# (403 otherwise), and when a token is set the request must also carry it as a bearer token
+# (401 otherwise). Default: loopback only, no token.
+METRICS_ALLOWED_NETWORKS: list[str] = env.list("TOLLGATE_METRICS_ALLOWED_NETWORKS",
+                                               default=["127.0.0.0/8", "::1/128"])
+try:
+    METRICS_ALLOWED_NETWORKS = [str(ipaddress.ip_network(n.strip(), strict=False))
+                                for n in METRICS_ALLOWED_NETWORKS if n.strip()]
+except ValueError as exc:
+    raise ImproperlyConfigured(f"TOLLGATE_METRICS_ALLOWED_NETWORKS: {exc}") from None
+METRICS_TOKEN: str = env.str("TOLLGATE_METRICS_TOKEN", default="").strip()
+# prometheus_client's multi-process mode: every process of a host keeps its metrics in files
+# here and /metrics sums them (`./tollgate up` sets it to .tollgate/metrics, emptied at start).
+PROMETHEUS_MULTIPROC_DIR: str = env.str("PROMETHEUS_MULTIPROC_DIR", default="")
 
 WEB_HOST: str = env.str("TOLLGATE_HOST", default="127.0.0.1")
 WEB_PORT: int = env.int("TOLLGATE_PORT", default=8000)

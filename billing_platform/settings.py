@@ -164,6 +164,9 @@ WHITENOISE_USE_FINDERS = True
 vars().update(environ.Env.email_url_config(E.EMAIL_URL))
 DEFAULT_FROM_EMAIL = E.DEFAULT_FROM_EMAIL
 PUBLIC_URL = E.PUBLIC_URL
+# Who may read /metrics (billing_platform/metrics.py): client networks, and a bearer token if set.
+METRICS_ALLOWED_NETWORKS = E.METRICS_ALLOWED_NETWORKS
+METRICS_TOKEN = E.METRICS_TOKEN
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

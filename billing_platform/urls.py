@@ -5,6 +5,8 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from billing_platform.metrics import metrics_view
+
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console:dashboard", permanent=False)),
     path("admin/", admin.site.urls),
@@ -17,5 +19,5 @@ urlpatterns = [
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("console/", include("billing_platform.console.urls")),
-    path("", include("django_prometheus.urls")),
+    path("metrics", metrics_view, name="metrics"),
 ]

@@ -1,6 +1,13 @@
-"""Parse an engine's Prometheus /metrics into the load figures the router uses."""
+"""Engines' metrics both ways: parse an engine's Prometheus /metrics into the load figures the
+router uses, and export each engine's health and load (as the health task last recorded them)
+on the platform's ``/metrics`` (``EngineCollector``, read at scrape time).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 NAMES = {
     "sglang:num_running_reqs": "running",
@@ -27,3 +34,56 @@ def parse_engine_load(text: str) -> dict[str, float]:
             continue
         load[key] = load.get(key, 0.0) + value
     return load
+
+
+_LABELS = ["engine", "pool", "model", "region"]
+
+
+class EngineCollector:
+    """Health and last scraped load of every engine in the fleet (one query, small table)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from django.db import connection, transaction
+
+        from engine_adapter.choices import EngineStatus
+        from engine_adapter.models import EngineInstance
+
+        families = {
+            "healthy": GaugeMetricFamily(
+                "tollgate_engine_healthy", "1 if the engine passed its last health check and "
+                "is routed to, else 0 (starting, unhealthy or crashed).", labels=_LABELS),
+            "failures": GaugeMetricFamily(
+                "tollgate_engine_health_failures",
+                "Consecutive failed health checks of the engine.", labels=_LABELS),
+            "seen": GaugeMetricFamily(
+                "tollgate_engine_last_seen_timestamp_seconds",
+                "When the engine last passed a health check (Unix time).", labels=_LABELS),
+            "running": GaugeMetricFamily(
+                "tollgate_engine_running_requests", "Requests the engine is running, as last "
+                "scraped from its /metrics.", labels=_LABELS),
+            "queued": GaugeMetricFamily(
+                "tollgate_engine_queued_requests", "Requests waiting in the engine's queue, as "
+                "last scraped.", labels=_LABELS),
+            "token_usage": GaugeMetricFamily(
+                "tollgate_engine_kv_cache_usage_ratio", "Fraction of the engine's KV cache in "
+                "use, as last scraped.", labels=_LABELS),
+            "restarts": CounterMetricFamily(
+                "tollgate_engine_restarts", "Times the fleet manager restarted the engine.",
+                labels=_LABELS),
+        }
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SET LOCAL statement_timeout = 2000")
+            instances = list(EngineInstance.objects.select_related("pool")
+                             .exclude(status=EngineStatus.STOPPED).filter(pool__in_spec=True)
+                             .order_by("engine_id"))
+        for inst in instances:
+            labels = [inst.engine_id, inst.pool.name, inst.pool.model, inst.pool.region]
+            load = inst.load or {}
+            families["healthy"].add_metric(labels, int(inst.status == EngineStatus.HEALTHY))
+            families["failures"].add_metric(labels, inst.failures)
+            if inst.last_seen_at is not None:
+                families["seen"].add_metric(labels, inst.last_seen_at.timestamp())
+            for key in ("running", "queued", "token_usage"):
+                families[key].add_metric(labels, float(load.get(key, 0.0)))
+            families["restarts"].add_metric(labels, inst.restarts)
+        yield from families.values()

@@ -41,6 +41,7 @@ from billing_platform.errors import Forbidden, InvalidRequest
 from metering.selectors import rated_spend
 from plans import admission
 from plans.admission import scripts
+from plans.metrics import budget_webhook_counted
 from plans.models import Budget, BudgetAlert, QuotaLimit, Subscription
 
 log = logging.getLogger(__name__)
@@ -531,6 +532,7 @@ def _send_alert(alert: BudgetAlert, state: BudgetState) -> None:
             alert.webhook_status = str(r.status_code)
         except httpx.HTTPError as exc:
             alert.webhook_status = f"failed: {type(exc).__name__}"[:40]
+        budget_webhook_counted(alert.webhook_status)
     alert.save(update_fields=["email_sent_at", "webhook_status"])
 
 

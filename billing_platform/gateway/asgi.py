@@ -5,7 +5,7 @@ request (a thread-sensitive context, sync signal receivers, sync ``response.clos
 sync-style middleware: read the body (413 above the limit), build Django's ``ASGIRequest``,
 resolve the URL, await the async view, send the response, and cancel the response task when the
 client disconnects (so a stream is aborted at the engine and metered as ``client_aborted``).
-Requests and latencies are exported to Prometheus here, since no middleware sees them.
+Requests and latencies are counted here (``gateway/metrics.py``), since no middleware sees them.
 """
 
 from __future__ import annotations
@@ -21,19 +21,11 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpResponseBase
 from django.urls import Resolver404, get_resolver
-from prometheus_client import Counter, Histogram
 
 from billing_platform.gateway.errors import GatewayError
+from billing_platform.gateway.metrics import request_observed
 
 log = logging.getLogger(__name__)
-
-REQUESTS = Counter("tollgate_gateway_requests_total", "Requests served by /v1.",
-                   ["endpoint", "status"])
-LATENCY = Histogram("tollgate_gateway_response_start_seconds",
-                    "Time from request to response headers on /v1.", ["endpoint"],
-                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-                             5, 10, 30))
-
 
 class _Disconnected(Exception):
     pass
@@ -108,8 +100,7 @@ class GatewayASGI:
                 log.exception("unhandled error in %s", request.path_info)
                 response = GatewayError(500, "The server had an error while processing your "
                                              "request.", code="internal_error").response()
-        LATENCY.labels(endpoint).observe(time.perf_counter() - t0)
-        REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        request_observed(endpoint, response, time.perf_counter() - t0)
         sender = asyncio.create_task(_send_response(response, send))
         watcher = asyncio.create_task(_wait_disconnect(receive))
         await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -21,6 +21,7 @@ from billing_platform.accounts.selectors import org_access, organizations_for_us
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import rendering, selectors, services
 from billing_platform.invoicing.builder import DraftInvoice
+from billing_platform.invoicing.metrics import stripe_webhook_counted
 from billing_platform.invoicing.models import Invoice
 
 
@@ -160,5 +161,10 @@ def stripe_webhook(request) -> HttpResponse:
         event = services.stripe_webhook_receive(
             payload=payload, signature=request.headers.get("Stripe-Signature", ""))
     except DomainError as exc:
+        stripe_webhook_counted(error=exc)
         return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
+    except Exception as exc:
+        stripe_webhook_counted(error=exc)
+        raise
+    stripe_webhook_counted(outcome=event.outcome)
     return HttpResponse(event.outcome or "ok", content_type="text/plain")

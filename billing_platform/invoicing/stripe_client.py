@@ -13,6 +13,8 @@ from typing import Any
 import stripe
 from django.conf import settings
 
+from billing_platform.invoicing.metrics import stripe_call
+
 
 def client() -> stripe.StripeClient:
     """Return a client for the configured Stripe (or localstripe) endpoint."""
@@ -23,6 +25,7 @@ def client() -> stripe.StripeClient:
     )
 
 
+@stripe_call("customer_create")
 def customer_create(*, email: str, name: str, org_public_id: str) -> str:
     """Create a Stripe customer for an organization; return its id."""
     customer = client().v1.customers.create(
@@ -32,12 +35,14 @@ def customer_create(*, email: str, name: str, org_public_id: str) -> str:
     return customer.id
 
 
+@stripe_call("customer_retrieve")
 def default_payment_method(customer_id: str) -> str | None:
     """Return the customer's default payment method id, if any."""
     customer = client().v1.customers.retrieve(customer_id).to_dict()
     return (customer.get("invoice_settings") or {}).get("default_payment_method") or None
 
 
+@stripe_call("payment_intent_create")
 def payment_intent_create(*, amount: int, currency: str, customer_id: str, payment_method: str,
                           idempotency_key: str, metadata: dict[str, str]) -> Any:
     """Create and confirm an off-session PaymentIntent; raise ``stripe.CardError`` on decline."""
@@ -49,6 +54,7 @@ def payment_intent_create(*, amount: int, currency: str, customer_id: str, payme
     )
 
 
+@stripe_call("payment_intent_retrieve")
 def payment_intent_retrieve(payment_intent_id: str) -> Any:
     """Return a PaymentIntent as Stripe has it now."""
     return client().v1.payment_intents.retrieve(payment_intent_id)

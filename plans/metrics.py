@@ -1,0 +1,58 @@
+"""Metrics of quotas: how long admission takes and how it ends, and budget-alert webhooks."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
+
+from prometheus_client import Counter, Histogram
+
+from billing_platform.errors import DomainError
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+ADMISSION_SECONDS = Histogram(
+    "tollgate_admission_seconds",
+    "Time to admit a request (rate limits, budget reservation, capacity, plan: one Redis "
+    "step), by outcome: admitted, rejected (429), error (Redis failed).", ["outcome"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+BUDGET_WEBHOOKS = Counter(
+    "tollgate_budget_alert_webhooks_total",
+    "Budget-alert webhook deliveries, by outcome: delivered (2xx) or failed (another status, "
+    "or no answer).", ["outcome"])
+
+
+# Known label values start at 0, so an alert on increase() sees the first event too.
+for _outcome in ("admitted", "rejected", "error"):
+    ADMISSION_SECONDS.labels(_outcome)
+for _outcome in ("delivered", "failed"):
+    BUDGET_WEBHOOKS.labels(_outcome)
+
+
+def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Observe an async admission's duration in ``ADMISSION_SECONDS`` under its outcome."""
+
+    @functools.wraps(func)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await func(*args, **kwargs)
+            outcome = "admitted"
+            return result
+        except DomainError:  # QuotaExceeded: refused with a 429
+            outcome = "rejected"
+            raise
+        finally:
+            ADMISSION_SECONDS.labels(outcome).observe(time.perf_counter() - started)
+
+    return wrapper
+
+
+def budget_webhook_counted(status: str) -> None:
+    """Count one budget-alert webhook delivery from its recorded status ("204", "failed: ...")."""
+    BUDGET_WEBHOOKS.labels("delivered" if status[:1] == "2" and status.isdigit()
+                           else "failed").inc()
