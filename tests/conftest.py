@@ -85,6 +85,13 @@ def celery_worker_process(transactional_db, tmp_path) -> Iterator[Callable[..., 
             proc.kill()
 
 
+@pytest.fixture
+def gateway_env() -> dict[str, str]:
+    """Extra environment of the live gateway's process (``tests/gateway/conftest.py``); a test
+    module overrides this fixture to run the gateway with settings of its own."""
+    return {}
+
+
 # --- invoicing: a real localstripe server (Stripe's API over HTTP, via the stripe library) ---
 
 def _free_port() -> int:

@@ -50,12 +50,13 @@ def register_engine(sim: SimProcess, *, pool: str, region: str, zone: str,
                                          url=sim.base_url, status=EngineStatus.HEALTHY)
 
 
-def start_gateway(tmp_path: Path, env: dict[str, str] | None = None) -> LiveGateway:
+def start_gateway(tmp_path: Path, env: dict[str, str] | None = None, *,
+                  host: str = "127.0.0.1") -> LiveGateway:
     port = free_port()
     log_path = tmp_path / f"gateway-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log"],
+         host, "--port", str(port), "--lifespan", "off", "--no-access-log"],
         cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         env={**os.environ, "DATABASE_URL": test_database_url(),
              "TOLLGATE_FLEET_REFRESH_S": "0.2", **(env or {})},
@@ -93,7 +94,8 @@ def drain_usage() -> None:
 
 
 @pytest.fixture
-def live_gateway(transactional_db, tmp_path, metering_stream) -> Iterator[LiveGateway]:
+def live_gateway(transactional_db, tmp_path, metering_stream, gateway_env
+                 ) -> Iterator[LiveGateway]:
     """Two simulated engines of ``small`` (us-east, eu-west) behind a live gateway."""
     from tests.factories import make_price_book
 
@@ -105,7 +107,7 @@ def live_gateway(transactional_db, tmp_path, metering_stream) -> Iterator[LiveGa
     }
     register_engine(sims["us"], pool="small-us", region="us-east", zone="us")
     register_engine(sims["eu"], pool="small-eu", region="eu-west", zone="eu")
-    gateway = start_gateway(tmp_path, env=metering_stream)
+    gateway = start_gateway(tmp_path, env={**metering_stream, **gateway_env})
     gateway.sims = sims
     yield gateway
     stop_gateway(gateway)
