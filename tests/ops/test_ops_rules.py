@@ -238,7 +238,7 @@ def test_every_metric_the_dashboard_and_alerts_use_is_exported(
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{live_gateway.url}/v1", api_key="sk-wrong",
                       max_retries=0).models.list()
-    wait_until(lambda: UsageEvent.objects.filter(request_id=request_id).exists(), timeout=30,
+    wait_until(lambda: UsageEvent.objects.filter(request_id=request_id).exists(), timeout=90,
                what="the usage consumer to record the request")
     from billing_platform.invoicing.tasks import billing_invariant_task
 
@@ -248,7 +248,7 @@ def test_every_metric_the_dashboard_and_alerts_use_is_exported(
         return _value(_scrape(live_gateway), "tollgate_celery_tasks_total",
                       task="invoicing.billing_invariant", state="success") == 1.0
 
-    wait_until(checked, timeout=60,
+    wait_until(checked, timeout=120,
                what=f"the worker to run the billing check (log: {worker.log_path})")
     text = _scrape(live_gateway)  # Django's own metrics count the scrapes before this one
 
