@@ -107,15 +107,20 @@ def test_flex_is_refused_while_saturated_priority_is_downgraded_and_flex_runs_wh
 
 
 def _finish_order(gateway, secret: str, *, model: str, path: str, load, running, queued,
-                  long_tokens: int, extra: dict, hold: bool) -> list[str]:
+                  long_tokens: int, low_tokens: int, extra: dict) -> list[str]:
     """Keep the engine busy with a long default request, queue a short default one behind it,
     then a short priority one; return the order they finished in.
 
-    With ``hold`` the long request is streamed and dropped (the engine aborts it) only once
-    both short ones are queued, so a slow, loaded machine cannot let it finish first; that
-    needs ``long_tokens`` beyond what the engine makes in a minute. Without it (a small real
-    model's context caps the length) it runs to its end. A request that fails or finishes
-    before both short ones are queued ends the wait at once, saying what happened."""
+    The long request is streamed and dropped (the engine aborts it) only once both short ones
+    are queued, so a slow, loaded machine cannot let it finish first; that needs
+    ``long_tokens`` beyond what the engine makes while the two queue (streamed, it is never cut
+    by the gateway's first-byte timeout on a loaded box either). A request that fails or
+    finishes before both short ones are queued ends the wait at once, saying what happened.
+
+    The low request makes ``low_tokens``, seconds of decoding, so that the order the client
+    threads record is not the order they happen to wake up in on a loaded machine (two tiny
+    requests could append in either order); where the engine keeps its own record of what it
+    started (the simulator's ``start_order``), the caller checks that as well."""
     finished: list[str] = []
     errors: list[str] = []
     release = threading.Event()
@@ -130,9 +135,6 @@ def _finish_order(gateway, secret: str, *, model: str, path: str, load, running,
         return body
 
     def run_long() -> None:
-        if not hold:
-            run_short("long", "default", long_tokens)
-            return
         with httpx.stream("POST", f"{gateway.url}{path}", timeout=300, headers=headers,
                           json=body("long", "default", long_tokens, stream=True)) as r:
             if r.status_code != 200:
@@ -148,8 +150,8 @@ def _finish_order(gateway, secret: str, *, model: str, path: str, load, running,
                        headers=headers)
         if r.status_code != 200:
             errors.append(f"{name}: {r.status_code} {r.text}")
-        else:
-            finished.append(name)
+            return
+        finished.append(name)
 
     def send(target, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True)
@@ -161,7 +163,7 @@ def _finish_order(gateway, secret: str, *, model: str, path: str, load, running,
             state = load()
             if errors or finished:
                 pytest.fail(f"while waiting for {what}: errors {errors}, finished {finished}, "
-                            f"engine load {state}")
+                            f"engine load {state}\n--- gateway log ---\n{gateway.log()[-3000:]}")
             return condition(state)
 
         wait_until(check, timeout=60, what=what)
@@ -169,7 +171,7 @@ def _finish_order(gateway, secret: str, *, model: str, path: str, load, running,
     threads = [send(run_long)]
     try:
         until(lambda s: running(s) == 1, "the long request to run")
-        threads.append(send(run_short, "low", "default"))
+        threads.append(send(run_short, "low", "default", low_tokens))
         until(lambda s: queued(s) == 1, "the default request to queue")
         threads.append(send(run_short, "high", "priority"))
         until(lambda s: queued(s) == 2, "the priority request to queue")
@@ -187,8 +189,11 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_simulated_engine(busy
         busy_gateway, _secret(), model="busy", path="/v1/chat/completions",
         load=lambda: httpx.get(f"{sim.base_url}/sim/stats").json(),
         running=lambda s: s["running"], queued=lambda s: s["queued"], long_tokens=30_000,
-        extra={}, hold=True)
+        low_tokens=100, extra={"ignore_eos": True})
     assert order.index("high") < order.index("low"), order
+    # and the engine's own record agrees: it started the priority request first
+    started = httpx.get(f"{sim.base_url}/sim/stats").json()["start_order"]
+    assert [s["priority"] for s in started[-2:]] == [10, 0], started
 
 
 def _real_sglang_ready() -> bool:
@@ -229,7 +234,7 @@ def test_priority_finishes_ahead_of_default_on_a_saturated_real_sglang_engine(
         order = _finish_order(
             gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
             running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
-            long_tokens=1950, extra={"ignore_eos": True}, hold=False)
+            long_tokens=1950, low_tokens=400, extra={"ignore_eos": True})
         # then the priority request (SGLang priority 10 vs 0) is served first
         assert order.index("high") < order.index("low"), order
     finally:
