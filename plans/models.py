@@ -12,6 +12,10 @@ periods are [start, end).
 Token-plan state (``TokenPlanUsage`` ledger and ``TokenPlanPeriod`` totals) is written by
 ``plans.rating.rate_usage_batch`` in the caller's transaction; see that module for why it is
 counted exactly once.
+
+Length: Django finds an app's models in one module, and these models reference each other
+(books, versions, plans, subscriptions, reservations, budgets, grants); each class is
+declarations and docstrings, with no behaviour beyond properties.
 """
 
 from __future__ import annotations

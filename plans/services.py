@@ -4,6 +4,10 @@ Every function is keyword-only and named ``<entity>_<verb>``. Rules a user would
 here: a price version may not take effect in the past (events already rated would no longer be
 explainable), one subscription per organization at any instant, grants applied oldest-expiry
 first and once per reference.
+
+Length: a little over the house's 500 lines; each use case is one short function, and split by
+entity the modules would import each other (a subscription change grants credits and quotes
+prices). Split it into a package when a new family of writes arrives.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
 
 Known differences from SGLang, on purpose: the cache report is always on (as with
 ``--enable-cache-report``), ``n`` must be 1, and batch inputs are refused.
+
+Length: one class per SGLang surface would scatter what must be read side by side with
+SGLang's own ``http_server.py`` to keep the wire shapes identical; it is a test stand-in, and
+the scheduling logic it serves lives in ``engine.py``.
 """
 
 from __future__ import annotations
