@@ -7,7 +7,9 @@ with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
 ``/sim/faults`` (change fault injection at run time) and ``/sim/stats`` (counters).
 
 Known differences from SGLang, on purpose: the cache report is always on (as with
-``--enable-cache-report``), ``n`` must be 1, and batch inputs are refused.
+``--enable-cache-report``), ``n`` must be 1, batch inputs are refused, and ``/health`` says only
+that the process is up (SGLang's with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``; the
+generating probe is ``/health_generate``).
 
 Length: one class per SGLang surface would scatter what must be read side by side with
 SGLang's own ``http_server.py`` to keep the wire shapes identical; it is a test stand-in, and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,6 +38,7 @@ from engine_adapter.sim.metrics import render_metrics
 from engine_adapter.sim.tokenizer import TemplateError, encode, render_chat
 
 SIM_VERSION = "0.5.0-tollgate-sim"
+log = logging.getLogger("engine_adapter.sim")
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
 Scope = dict[str, Any]
@@ -307,22 +311,25 @@ class SimServer:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        """GET /health_generate: one real 1-token generation through the scheduler."""
-        if self.engine.faults.error_rate and self.engine._fault_rng.random() < (
-            self.engine.faults.error_rate
-        ):
+        """GET /health_generate: 200 once the scheduler answers, 503 if it does not in time.
+
+        As SGLang's: an idle engine runs a real 1-token generation, a busy one answers from
+        the work it is running, and one whose scheduler does not answer within
+        ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (20) gets a 503 and an error in its log.
+        SGLang polls for the answer once a second; the simulator answers as soon as it has it.
+        """
+        faults = self.engine.faults
+        if faults.error_rate and self.engine._fault_rng.random() < faults.error_rate:
             return Response(status_code=503)
-        if self.engine.faults.stall_s > 0:
-            await asyncio.sleep(self.engine.faults.stall_s)
-        req = SimRequest(
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            prompt_ids=encode("ping"),
-            max_new_tokens=1,
-            priority=2**31 - 1,
-        )
-        async for _ in self.engine.generate(req):
-            pass
-        return Response(status_code=200)
+        if faults.stall_s > 0:
+            await asyncio.sleep(faults.stall_s)
+        timeout_s = self.config.health_check_timeout_s
+        started = time.strftime("%H:%M:%S")
+        if await self.engine.health_check(timeout_s=timeout_s):
+            return Response(status_code=200)
+        log.error("Health check failed. Server couldn't get a response from detokenizer for "
+                  "last %s seconds. tic start time: %s.", timeout_s, started)
+        return Response(status_code=503)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models."""
@@ -410,6 +417,8 @@ class SimServer:
                 raise ApiError(400, f"Unknown fault settings: {sorted(unknown)}")
             for name in ("crash_after", "fail_after_tokens"):
                 _opt_int(body, name, minimum=1)
+            if not isinstance(body.get("hang", False), bool):
+                raise ApiError(400, "hang must be a boolean", "hang")
             for name in ("error_rate", "stall_s"):
                 value = body.get(name, 0)
                 if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:

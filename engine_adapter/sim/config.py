@@ -8,6 +8,7 @@ accepting the SGLang flags that change nothing here) lets a pool switch between 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ class Faults:
     stall_s: float = 0.0
     crash_after: int | None = None
     fail_after_tokens: int | None = None
+    # A hung engine: the process accepts connections and answers /health, /metrics and info,
+    # but its scheduler never steps again (no request starts or gets another token, and
+    # /health_generate times out), as a wedged GPU or a deadlocked scheduler leaves SGLang.
+    hang: bool = False
 
 
 @dataclass
@@ -39,6 +44,8 @@ class SimConfig:
     seed: int = 0
     low_priority_values_first: bool = False
     log_level: str = "warning"
+    # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the scheduler
+    health_check_timeout_s: float = 20.0
     faults: Faults | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stall-s", type=float, default=0.0)
     parser.add_argument("--crash-after", type=int, default=None)
     parser.add_argument("--fail-after-tokens", type=int, default=None)
+    parser.add_argument("--hang", action="store_true", help="start hung (see Faults.hang)")
     parser.add_argument("--schedule-low-priority-values-first", action="store_true")
     parser.add_argument("--log-level", default="warning")
     # SGLang flags that the launch line carries and that change nothing in the simulator: the
@@ -124,10 +132,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         seed=args.seed,
         low_priority_values_first=args.schedule_low_priority_values_first,
         log_level=args.log_level,
+        # read from the environment, as SGLang reads it
+        health_check_timeout_s=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or 20),
         faults=Faults(
             error_rate=args.error_rate,
             stall_s=args.stall_s,
             crash_after=args.crash_after,
             fail_after_tokens=args.fail_after_tokens,
+            hang=args.hang,
         ),
     )

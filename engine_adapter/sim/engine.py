@@ -5,7 +5,8 @@ running set is full (higher ``priority`` first, FIFO within a priority, as SGLan
 scheduling does), take prefill time for the tokens the radix cache does not hold, then decode
 one token per ``1 / decode_tokens_per_s`` seconds. Every running request pins its cache path;
 finished requests insert prompt and output so later requests with the same prefix hit. Faults
-(errors, stalls, crashes, cut streams) are decided here so every endpoint behaves alike.
+(errors, stalls, crashes, cut streams, a hung scheduler) are decided here so every endpoint
+behaves alike.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class SimRequest:
     priority: int = 0
     namespace: Hashable = None
     request_seed: int | None = None
+    log_metrics: bool = True  # SGLang's flag: False for health probes, which count nowhere
     # progress
     state: str = "new"  # new -> waiting -> running -> finished
     cached_tokens: int = 0
@@ -144,6 +146,7 @@ class Engine:
         self._by_rid: dict[str, set[SimRequest]] = {}
         self._fault_rng = random.Random(config.seed)  # noqa: S311 - fault dice, not crypto
         self._requests_since_faults = 0
+        self._hung_waiters: set[asyncio.Future[None]] = set()
 
     # --- faults -----------------------------------------------------------------------------
 
@@ -153,6 +156,47 @@ class Engine:
             setattr(self.faults, name, value)
         if "crash_after" in changes:
             self._requests_since_faults = 0
+        if not self.faults.hang:  # the scheduler steps again: everything frozen resumes
+            waiters, self._hung_waiters = self._hung_waiters, set()
+            for waiter in waiters:
+                _resolve(waiter)
+            self._schedule()
+
+    async def _while_hung(self, req: SimRequest | None = None) -> None:
+        """Block while the hang fault is on (or until ``req`` is aborted)."""
+        loop = asyncio.get_running_loop()
+        while self.faults.hang and not (req is not None and req.aborted):
+            wake = loop.create_future()
+            self._hung_waiters.add(wake)
+            if req is not None:
+                req._sleep = wake  # abort() resolves it
+            try:
+                await wake
+            finally:
+                self._hung_waiters.discard(wake)
+                if req is not None:
+                    req._sleep = None
+
+    async def health_check(self, *, timeout_s: float) -> bool:
+        """Return whether the scheduler answers within ``timeout_s``, as SGLang's probe judges.
+
+        SGLang's scheduler does not queue a probe behind work: while anything runs or waits,
+        it acknowledges the probe on its next step (the running requests carry the health
+        signal); an idle one runs a real 1-token generation of input ``[0]``. A hung scheduler
+        does neither.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._while_hung()
+                if not self.idle:
+                    return True
+                probe = SimRequest(rid=f"HEALTH_CHECK_{os.urandom(16).hex()}", prompt_ids=[0],
+                                   max_new_tokens=1, ignore_eos=True, log_metrics=False)
+                async for _ in self.generate(probe, paced=False):
+                    pass
+                return probe.finish_reason is not None and not probe.aborted
+        except TimeoutError:
+            return False
 
     def count_request(self) -> bool:
         """Count one generation request; crash if due; return True if it must fail (500)."""
@@ -191,6 +235,8 @@ class Engine:
         return priority if self.config.low_priority_values_first else -priority
 
     def _schedule(self) -> None:
+        if self.faults.hang:
+            return  # a hung scheduler starts nothing
         while self._waiting and len(self.running) < self.config.max_running_requests:
             _, _, req = self._waiting[0]
             if req.state != "waiting":
@@ -212,9 +258,10 @@ class Engine:
             req.cached_tokens = matched
             req.state = "running"
             self.running.add(req)
-            self.stats.start_order.append({"rid": req.rid, "priority": req.priority})
-            self.stats.queue.observe(time.monotonic() - req.created_at)
-            del self.stats.start_order[:-START_ORDER_KEEP]
+            if req.log_metrics:
+                self.stats.start_order.append({"rid": req.rid, "priority": req.priority})
+                self.stats.queue.observe(time.monotonic() - req.created_at)
+                del self.stats.start_order[:-START_ORDER_KEEP]
             req.wake.set()
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
@@ -277,6 +324,8 @@ class Engine:
             await self._sleep_until(
                 req, time.monotonic() + req._uncached / self.config.prefill_tokens_per_s
             )
+            if self.faults.hang:
+                await self._while_hung(req)
             if req.aborted:
                 return
             self._finish_prefill(req)
@@ -288,6 +337,8 @@ class Engine:
             pieces = [piece async for piece in self._decode(req, paced=False)]
             rate = self.config.decode_tokens_per_s
             await self._sleep_until(req, started + len(req.output_ids) / rate)
+            if self.faults.hang:
+                await self._while_hung(req)
             if req.aborted:  # keep what had been decoded by now, as a paced request would
                 done = int((time.monotonic() - started) * rate)
                 self.private_tokens -= max(0, len(req.output_ids) - done)
@@ -310,6 +361,8 @@ class Engine:
         self.private_tokens -= req._private_tokens
         req._private_tokens = 0
         req.prefilled = True
+        if not req.log_metrics:
+            return
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.stats.cached_tokens += req.cached_tokens
         if req.cached_tokens:
@@ -336,6 +389,8 @@ class Engine:
             due = started + step / config.decode_tokens_per_s
             if paced:
                 await self._sleep_until(req, due)
+                if self.faults.hang:
+                    await self._while_hung(req)
             if step % 64 == 0:
                 await asyncio.sleep(0)  # let other requests and disconnects be seen
             if req.aborted:
@@ -343,15 +398,17 @@ class Engine:
             now = time.monotonic() if paced else due  # unpaced: when the token is due
             if req.first_token_at is None:
                 req.first_token_at = now
-                self.stats.ttft.observe(now - req.created_at)
-            else:
+                if req.log_metrics:
+                    self.stats.ttft.observe(now - req.created_at)
+            elif req.log_metrics:
                 self.stats.itl.observe(now - last)
             last = now
             self._make_room(1)
             self.private_tokens += 1
             req._private_tokens += 1
             req.output_ids.append(token_id)
-            self.stats.generation_tokens += 1
+            if req.log_metrics:
+                self.stats.generation_tokens += 1
             if token_id == EOS_TOKEN_ID:
                 req.finish_reason = {"type": "stop", "matched": EOS_TOKEN_ID}
                 return
@@ -396,9 +453,9 @@ class Engine:
             self._make_room(0)
         req.state = "finished"
         req.finished_at = time.monotonic()
-        if was_aborted:
+        if req.log_metrics and was_aborted:
             self.stats.aborted += 1
-        else:
+        elif req.log_metrics:
             self.stats.completed += 1
             self.stats.e2e.observe(req.e2e_latency)
         rids = self._by_rid.get(req.rid)

@@ -490,3 +490,77 @@ def test_crash_after_kills_the_process_on_nth_request(
 
     assert sim.wait_exit(timeout_s=5) == 17
     assert not sim.is_alive()
+
+
+# --- health probes --------------------------------------------------------------------------
+
+
+def test_health_generate_probe_of_an_idle_engine_counts_nowhere(sim: SimProcess) -> None:
+    # given an idle engine
+    before = _stats(sim)
+    # when it is probed, then it answers 200, and the probe is in no count or metric
+    assert httpx.get(f"{sim.base_url}/health_generate", timeout=5).status_code == 200
+    after = _stats(sim)
+    assert {k: after[k] for k in ("requests", "completed", "prompt_tokens",
+                                  "generation_tokens")} == {
+        k: before[k] for k in ("requests", "completed", "prompt_tokens", "generation_tokens")}
+
+
+def test_health_generate_of_a_busy_engine_is_answered_by_its_running_work(
+    sim_factory: Callable[..., SimProcess],
+) -> None:
+    # given an engine whose one running slot holds a 10 s generation
+    sim = sim_factory(max_running_requests=1, decode_tokens_per_s=50)
+    body = {"model": sim.model, "prompt": "a long story", "max_tokens": 500, "stream": True}
+    with httpx.stream("POST", f"{sim.base_url}/v1/completions", json=body) as resp:
+        assert next(resp.iter_lines()).startswith("data: ")
+        # when it is probed, then the probe is not queued behind that work (as SGLang's)
+        started = time.monotonic()
+        assert httpx.get(f"{sim.base_url}/health_generate", timeout=5).status_code == 200
+        assert time.monotonic() - started < 2.0
+        assert _stats(sim)["queued"] == 0
+
+
+def test_hang_fault_accepts_connections_but_never_generates(
+    sim_factory: Callable[..., SimProcess], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # given an engine whose health probe gives up after 0.5 s (SGLang's own setting)
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "0.5")
+    sim = sim_factory(**FAST)
+    assert httpx.get(f"{sim.base_url}/health_generate", timeout=5).status_code == 200
+
+    # when its scheduler hangs
+    _set_faults(sim, hang=True)
+    assert httpx.get(f"{sim.base_url}/sim/faults").json()["hang"] is True
+
+    # then the process still answers /health and /metrics, but generates nothing
+    assert httpx.get(f"{sim.base_url}/health", timeout=2).status_code == 200
+    assert httpx.get(f"{sim.base_url}/metrics", timeout=2).status_code == 200
+    assert httpx.get(f"{sim.base_url}/health_generate", timeout=5).status_code == 503
+    assert "Health check failed" in sim.log_text()
+
+    async def scenario() -> tuple[int, dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=sim.base_url, timeout=10) as client:
+            pending = asyncio.create_task(client.post(
+                "/v1/completions", json={"model": sim.model, "prompt": "x", "max_tokens": 3}))
+            await asyncio.to_thread(_wait_for, lambda: _stats(sim)["requests"] == 1)
+            await asyncio.sleep(0.3)
+            assert not pending.done()  # accepted, never answered
+            # when the hang clears, then the waiting request runs and the probe passes
+            await client.post("/sim/faults", json={"hang": False})
+            answer = await pending
+            probe = await client.get("/health_generate")
+            return probe.status_code, answer.json()
+
+    probe, answer = asyncio.run(scenario())
+    assert probe == 200
+    assert answer["usage"]["completion_tokens"] == 3
+
+
+def test_hang_flag_at_launch_and_bad_hang_value(sim_factory: Callable[..., SimProcess]) -> None:
+    sim = sim_factory(hang=True, **FAST)
+    assert httpx.get(f"{sim.base_url}/sim/faults").json()["hang"] is True
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(f"{sim.base_url}/health_generate", timeout=0.5)
+    bad = httpx.post(f"{sim.base_url}/sim/faults", json={"hang": "yes"})
+    assert bad.status_code == 400 and bad.json()["param"] == "hang"
