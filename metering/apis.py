@@ -32,7 +32,7 @@ from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.models import ApiKey, Organization, Project
 from billing_platform.accounts.selectors import org_access, organizations_for_user
 from billing_platform.errors import Forbidden, InvalidRequest, NotFound
-from metering import events, services
+from metering import conf, events, services
 from metering import serializers as s
 from metering.choices import EventSource
 from metering.recording import TRANSIENT, close_broken_connection
@@ -240,6 +240,37 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
+def _filter_values(params: dict[str, Any], name: str) -> tuple[str, ...]:
+    """Return a comma-separated filter's values; refuse more than one request may list."""
+    values = tuple(dict.fromkeys(_csv(params.get(name))))
+    most = conf.usage_api_max_filter_values()
+    if len(values) > most:
+        raise InvalidRequest(f"{name} lists {len(values)} values; one request may filter by at "
+                             f"most {most}. Split it into several requests.", param=name,
+                             code="too_many_values")
+    return values
+
+
+def _refuse_unbounded(start: datetime, end: datetime, group_by: tuple[str, ...]) -> None:
+    """Refuse a usage read longer than the range bound, or whose time buckets alone would be
+    more groups than one answer holds (checked before any query runs)."""
+    span = end - start
+    max_days = conf.usage_api_max_range_days()
+    if span > timedelta(days=max_days):
+        raise InvalidRequest(
+            f"The range from start to end is {span.total_seconds() / 86400:g} days; one request "
+            f"may sum at most {max_days} days. Split the range into several requests.",
+            param="end", code="usage_range_too_large")
+    max_groups = conf.usage_api_max_groups()
+    for unit, size in (("hour", timedelta(hours=1)), ("day", timedelta(days=1))):
+        buckets = -(-span // size)  # a partial day is a bucket of its own
+        if unit in group_by and buckets > max_groups:
+            raise InvalidRequest(
+                f"Grouping by {unit} over this range makes {buckets} groups; one answer holds at "
+                f"most {max_groups}. Shorten the range or group by day.", param="group_by",
+                code="usage_too_many_groups")
+
+
 def _bucket_json(bucket: UsageBucket) -> dict[str, Any]:
     out: dict[str, Any] = dict(bucket.group)
     out["currency"] = bucket.currency
@@ -278,7 +309,12 @@ class UsageApi(APIView):
         ],
         responses={200: s.UsageSummarySerializer},
         description="Token and amount sums over whole UTC hours, equal to the sums of the "
-                    "recorded events. Amounts are per currency, in the price book's currency.",
+                    "recorded events. Amounts are per currency, in the price book's currency. "
+                    "One request sums at most `TOLLGATE_USAGE_MAX_RANGE_DAYS` days (366 by "
+                    "default; `usage_range_too_large`), answers at most "
+                    "`TOLLGATE_USAGE_MAX_GROUPS` groups (10,000; `usage_too_many_groups`) and "
+                    "takes at most `TOLLGATE_USAGE_MAX_FILTER_VALUES` values per filter (100; "
+                    "`too_many_values`); beyond a bound it answers 400 saying which.",
     )
     def get(self, request: Request) -> Response:
         q = s.UsageQuerySerializer(data=request.query_params)
@@ -293,30 +329,37 @@ class UsageApi(APIView):
                else now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1))
         if end <= start:
             raise InvalidRequest("end must be after start.", param="end")
-        group_by = _csv(params.get("group_by"))
+        group_by = tuple(dict.fromkeys(_csv(params.get("group_by"))))
         unknown = [g for g in group_by if g not in GROUPS]
         if unknown:
             raise InvalidRequest(f"Cannot group by {', '.join(unknown)}; choose from "
                                  f"{', '.join(GROUPS)}.", param="group_by")
+        _refuse_unbounded(start, end, group_by)
 
-        project_ids = _lookup(Project, org, _csv(params.get("project")), "project")
+        project_ids = _lookup(Project, org, _filter_values(params, "project"), "project")
         if caller.only_project_id is not None:
             if project_ids and set(project_ids) != {caller.only_project_id}:
                 raise NotFound("No such project.")
             project_ids = (caller.only_project_id,)
-        key_ids = _lookup(ApiKey, org, _csv(params.get("key")), "key",
+        key_ids = _lookup(ApiKey, org, _filter_values(params, "key"), "key",
                           project_id=caller.only_project_id)
+        max_groups = conf.usage_api_max_groups()
         buckets = usage_summary(
             usage_filter=UsageFilter(
                 org_id=org.id, start=start, end=end, project_ids=project_ids,
-                api_key_ids=key_ids, models=_csv(params.get("model")),
-                service_tiers=_csv(params.get("service_tier")),
+                api_key_ids=key_ids, models=_filter_values(params, "model"),
+                service_tiers=_filter_values(params, "service_tier"),
             ),
-            group_by=tuple(dict.fromkeys(group_by)),
+            group_by=group_by, limit=max_groups + 1,
         )
+        if len(buckets) > max_groups:
+            raise InvalidRequest(
+                f"This query makes more than {max_groups} groups; one answer holds at most "
+                f"{max_groups}. Shorten the range, filter, or group by fewer dimensions.",
+                param="group_by", code="usage_too_many_groups")
         out = {
             "object": "usage", "organization": org.public_id, "start": start, "end": end,
-            "group_by": list(dict.fromkeys(group_by)),
+            "group_by": list(group_by),
             "data": [_bucket_json(b) for b in buckets],
             "totals": [_bucket_json(t) for t in _totals(buckets)],
         }

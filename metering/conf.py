@@ -59,3 +59,20 @@ def claim_idle_ms() -> int:
 def spool_replay_s() -> float:
     """Return the beat interval of the spool replay task."""
     return float(_setting("METERING_SPOOL_REPLAY_S", "TOLLGATE_SPOOL_REPLAY_S", 30.0, float))
+
+
+def usage_api_max_range_days() -> int:
+    """Return the longest range ``GET /api/v1/usage`` sums in one request (days)."""
+    return int(_setting("METERING_USAGE_MAX_RANGE_DAYS", "TOLLGATE_USAGE_MAX_RANGE_DAYS", 366,
+                        int))
+
+
+def usage_api_max_groups() -> int:
+    """Return the most groups (rows of ``data``) ``GET /api/v1/usage`` answers in one request."""
+    return int(_setting("METERING_USAGE_MAX_GROUPS", "TOLLGATE_USAGE_MAX_GROUPS", 10_000, int))
+
+
+def usage_api_max_filter_values() -> int:
+    """Return the most values one ``GET /api/v1/usage`` filter (project, key, ...) may list."""
+    return int(_setting("METERING_USAGE_MAX_FILTER_VALUES", "TOLLGATE_USAGE_MAX_FILTER_VALUES",
+                        100, int))

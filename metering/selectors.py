@@ -78,12 +78,13 @@ def _rollups(f: UsageFilter) -> QuerySet[UsageRollupHourly]:
     return qs
 
 
-def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = ()
-                  ) -> list[UsageBucket]:
+def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = (),
+                  limit: int | None = None) -> list[UsageBucket]:
     """Return usage sums per group (and currency), ordered by the grouped values.
 
     Numbers come from the hourly rollups, which the ingest transaction keeps equal to the sums
-    of ``usage_event``; the range is whole UTC hours.
+    of ``usage_event``; the range is whole UTC hours. ``limit``: at most that many groups (the
+    first ones in order), for callers that bound what one request may read.
     """
     qs = _rollups(usage_filter)
     names = {g: GROUPS[g] for g in group_by}
@@ -91,6 +92,8 @@ def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = ()
         qs = qs.annotate(day=TruncDay("hour", tzinfo=UTC))
     values = [*names.values(), "currency"]
     rows = qs.values(*values).annotate(**{f"s_{s}": Sum(s) for s in SUMS}).order_by(*values)
+    if limit is not None:
+        rows = rows[:limit]
     out = []
     for row in rows:
         group = {}
