@@ -174,7 +174,7 @@ def setup_platform(sims) -> str:
     from billing_platform.accounts.models import User
     from engine_adapter.choices import EngineStatus, Launch
     from engine_adapter.models import EngineInstance, Pool
-    from plans.quotas import quota_limit_set
+    from plans.limits import quota_limit_set
 
     call_command("migrate", "--noinput", verbosity=0)
     EngineInstance.objects.filter(pool__model=MODEL).delete()

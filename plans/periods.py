@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import calendar
-from datetime import datetime
+from datetime import UTC, datetime
 
 
 def add_months(anchor: datetime, months: int) -> datetime:
@@ -26,3 +26,11 @@ def period_bounds(anchor: datetime, at: datetime) -> tuple[datetime, datetime]:
         n -= 1
         start = add_months(anchor, n)
     return start, add_months(anchor, n + 1)
+
+
+def month_bounds(at: datetime) -> tuple[datetime, datetime]:
+    """Return the calendar month [start, end) of ``at`` in UTC."""
+    at = at.astimezone(UTC)
+    start = datetime(at.year, at.month, 1, tzinfo=UTC)
+    end = datetime(at.year + (at.month == 12), at.month % 12 + 1, 1, tzinfo=UTC)
+    return start, end

@@ -13,6 +13,7 @@ from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.console.views import org_page
 from billing_platform.errors import DomainError
+from plans import limits as rate_limits
 from plans import quotas
 
 
@@ -60,7 +61,7 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
             project = _scope(access, data.pop("scope"))
             try:
                 if kind == "limits":
-                    quotas.quota_limit_set(
+                    rate_limits.quota_limit_set(
                         organization=org, project=project, acting_user=request.user,
                         rpm=data["rpm"], tpm=data["tpm"],
                         allowed_regions=_split(data["allowed_regions"]))
@@ -78,14 +79,14 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
             messages.error(request, f"Please correct: {form.errors.as_text()}")
         return redirect("console:settings")
     limits = {(r.project.public_id if r.project_id else "org"): r
-              for r in quotas.limits_rows_of(organization=org) if not r.api_key_id}
+              for r in rate_limits.limits_rows_of(organization=org) if not r.api_key_id}
     org_row = limits.get("org")
     tier = (org_row.usage_tier if org_row and org_row.usage_tier
-            else quotas.DEFAULT_USAGE_TIER)
+            else rate_limits.DEFAULT_USAGE_TIER)
     budgets = [quotas.budget_state(budget=b) for b in quotas.budgets_of(organization=org)]
     projects = list(org.projects.order_by("created_at"))
     return render(request, "console/settings.html", {
-        "tier": tier, "tier_limits": quotas.USAGE_TIERS[tier], "limits": limits,
+        "tier": tier, "tier_limits": rate_limits.USAGE_TIERS[tier], "limits": limits,
         "org_limits": org_row, "projects": projects, "budgets": budgets,
         "limits_form": LimitsForm(), "budget_form": BudgetForm(),
         "audit": quota_audit_events(organization=org)[:20],

@@ -29,9 +29,12 @@ from plans.admission.decision import (
     spend_limit_error,
     worst_case_micro,
 )
+from plans.admission.loading import limits_of, quota_policy_load
 from plans.admission.policy import (
+    DEFAULT_USAGE_TIER,
     MICRO,
     RESERVATION_TTL_MS,
+    USAGE_TIERS,
     BudgetRule,
     ProvisionedRule,
     QuotaExceeded,
@@ -61,11 +64,12 @@ from plans.admission.runtime import (
 from plans.admission.scripts import ADMIT_LUA, PEEK_LUA, PRELUDE_LUA, PURGE_LUA, STEP_LUA
 
 __all__ = [
-    "ADMIT_LUA", "MAX_BATCH", "MICRO", "PEEK_LUA", "POLICY_STALE_S", "POLICY_TTL_S",
-    "PRELUDE_LUA", "PURGE_LUA", "RESERVATION_TTL_MS", "SPEND_CODES", "STEP_LUA", "BudgetRule",
-    "Limits", "ProvisionedRule", "QuotaExceeded", "QuotaPolicy", "Ticket", "WindowRule",
-    "aadmit", "actual_micro", "alimits", "apeek_headers", "apolicy", "asettle", "budget_key",
-    "build_admit", "credits_micro", "explain", "from_micro", "month_tag", "prompt_token_bound",
-    "prov_key", "rate_headers", "rate_key", "reservations_key", "rule_key", "spend_limit_error",
-    "to_micro", "window_key", "worst_case_micro",
+    "ADMIT_LUA", "DEFAULT_USAGE_TIER", "MAX_BATCH", "MICRO", "PEEK_LUA", "POLICY_STALE_S",
+    "POLICY_TTL_S", "PRELUDE_LUA", "PURGE_LUA", "RESERVATION_TTL_MS", "SPEND_CODES",
+    "STEP_LUA", "USAGE_TIERS", "BudgetRule", "Limits", "ProvisionedRule", "QuotaExceeded",
+    "QuotaPolicy", "Ticket", "WindowRule", "aadmit", "actual_micro", "alimits",
+    "apeek_headers", "apolicy", "asettle", "budget_key", "build_admit", "credits_micro",
+    "explain", "from_micro", "limits_of", "month_tag", "prompt_token_bound", "prov_key",
+    "quota_policy_load", "rate_headers", "rate_key", "reservations_key", "rule_key",
+    "spend_limit_error", "to_micro", "window_key", "worst_case_micro",
 ]

@@ -54,6 +54,18 @@ if TYPE_CHECKING:
 RESERVATION_TTL_MS = int(settings.QUOTA_RESERVATION_TTL_S * 1000)
 MICRO = Decimal("1000000")
 
+# Default organization limits by usage tier (requests and tokens per minute), like OpenAI's
+# tiers. A self-hosted fleet starts orgs at tier-3 so development is not throttled.
+USAGE_TIERS: dict[str, tuple[int, int]] = {
+    "free": (3, 40_000),
+    "tier-1": (500, 200_000),
+    "tier-2": (5_000, 2_000_000),
+    "tier-3": (5_000, 4_000_000),
+    "tier-4": (10_000, 10_000_000),
+    "tier-5": (30_000, 150_000_000),
+}
+DEFAULT_USAGE_TIER = "tier-3"
+
 
 # --- key names -----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from billing_platform.redis_conn import PipelinedConnection, get_aredis, get_pipelined
-from plans.admission import scripts
+from plans.admission import loading, scripts
 from plans.admission.decision import (
     Arg,
     Ticket,
@@ -96,20 +96,12 @@ class _Reloading(Generic[K, V]):
             log.warning("quota policy reload failed: %r", task.exception())
 
 
-def _load_policy(**kwargs: Any) -> QuotaPolicy:
-    from plans.quotas import quota_policy_load
-
-    return quota_policy_load(**kwargs)
-
-
-def _load_limits(**kwargs: Any) -> Limits:
-    from plans.quotas import limits_of
-
-    rpm, tpm, _regions = limits_of(**kwargs)
+def _load_limits(**kwargs: int) -> Limits:
+    rpm, tpm, _regions = loading.limits_of(**kwargs)
     return rpm, tpm
 
 
-_policies: _Reloading[tuple[int, str], QuotaPolicy] = _Reloading(_load_policy)
+_policies: _Reloading[tuple[int, str], QuotaPolicy] = _Reloading(loading.quota_policy_load)
 _limits: _Reloading[int, Limits] = _Reloading(_load_limits)
 
 

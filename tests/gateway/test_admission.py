@@ -20,7 +20,7 @@ from django.db.models import Sum
 
 from engine_adapter.sim.testing import FAST_RATES, start_sim
 from metering.models import UsageEvent
-from plans import admission, quotas
+from plans import admission, limits, quotas
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import (
@@ -68,7 +68,7 @@ def _post(gateway, secret: str, **body) -> httpx.Response:
 def test_rpm_limit_of_60_across_two_gateway_processes_admits_exactly_60(two_gateways):
     # given an organization limited to 60 requests per minute
     org, _project, _key, secret = _org_key()
-    quotas.quota_limit_set(organization=org, rpm=60)
+    limits.quota_limit_set(organization=org, rpm=60)
     gateways = itertools.cycle(two_gateways)
     targets = [next(gateways) for _ in range(100)]
 
@@ -95,7 +95,7 @@ def test_rpm_limit_of_60_across_two_gateway_processes_admits_exactly_60(two_gate
 
 def test_tpm_limit_rejects_a_request_larger_than_the_limit_and_counts_max_tokens(two_gateways):
     org, _project, key, secret = _org_key()
-    quotas.quota_limit_set(organization=org, api_key=key, tpm=500)
+    limits.quota_limit_set(organization=org, api_key=key, tpm=500)
     too_big = _post(two_gateways[0], secret, max_tokens=1000)
     assert too_big.status_code == 429
     assert too_big.json()["error"]["code"] == "rate_limit_exceeded"
@@ -112,7 +112,7 @@ def test_tpm_limit_rejects_a_request_larger_than_the_limit_and_counts_max_tokens
 
 
 def _worst_case(org, project, key, *, max_tokens: int, model: str = "small") -> Decimal:
-    policy = quotas.quota_policy_load(organization_id=org.id, project_id=project.id,
+    policy = admission.quota_policy_load(organization_id=org.id, project_id=project.id,
                                       key_id=key.id, model=model)
     micro = admission.worst_case_micro(
         policy.pricing, tier="default", zone=org.data_zone, max_output=max_tokens,

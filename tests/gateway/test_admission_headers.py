@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from plans import quotas
+from plans import limits, quotas
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
 
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
@@ -31,7 +31,7 @@ def test_every_authenticated_answer_carries_rate_limit_headers_and_reading_takes
     # given a key of an organization limited to 50 requests and 10,000 tokens a minute
     org = OrganizationFactory()
     _key, secret = make_key(project=ProjectFactory(organization=org), scopes=["inference"])
-    quotas.quota_limit_set(organization=org, rpm=50, tpm=10_000)
+    limits.quota_limit_set(organization=org, rpm=50, tpm=10_000)
 
     # when the key lists models twice, asks for an unknown model and sends a bad body
     first = _get(live_gateway, "/v1/models", secret)
@@ -76,7 +76,7 @@ def test_a_suspended_keys_429_carries_the_headers_too(live_gateway):
 
     org = OrganizationFactory()
     _key, secret = make_key(project=ProjectFactory(organization=org), scopes=["inference"])
-    quotas.quota_limit_set(organization=org, rpm=50, tpm=10_000)
+    limits.quota_limit_set(organization=org, rpm=50, tpm=10_000)
     budget = quotas.budget_set(organization=org, amount="5.00", hard=True)
     Budget.objects.filter(pk=budget.pk).update(suspended_at=timezone.now())
 

@@ -10,7 +10,7 @@ from billing_platform.accounts.choices import DataZone
 from engine_adapter.choices import EngineStatus
 from engine_adapter.models import EngineInstance
 from metering.models import UsageEvent
-from plans import quotas
+from plans import limits
 from plans.selectors import usage_events_outside_zone
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
@@ -29,7 +29,7 @@ def test_a_project_narrowed_to_eu_runs_only_there_and_fails_closed(live_gateway)
     org = OrganizationFactory(data_zone=DataZone.GLOBAL)
     project = ProjectFactory(organization=org)
     _key, secret = make_key(project=project, scopes=["inference"])
-    quotas.quota_limit_set(organization=org, project=project, allowed_regions=["eu-west"])
+    limits.quota_limit_set(organization=org, project=project, allowed_regions=["eu-west"])
 
     # when it sends requests, they all run in eu-west
     responses = [_chat(live_gateway, secret) for _ in range(6)]
@@ -59,7 +59,7 @@ def test_a_key_narrowed_to_a_region_without_the_model_gets_404(live_gateway):
     org = OrganizationFactory(data_zone=DataZone.EU)
     project = ProjectFactory(organization=org)
     key, secret = make_key(project=project, scopes=["inference"])
-    quotas.quota_limit_set(organization=org, api_key=key, allowed_regions=["ap-south"])
+    limits.quota_limit_set(organization=org, api_key=key, allowed_regions=["ap-south"])
     r = _chat(live_gateway, secret)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert not UsageEvent.objects.filter(organization=org).exists()

@@ -7,7 +7,7 @@ import pytest
 
 from billing_platform.accounts.choices import Role
 from billing_platform.audit.models import AuditEvent
-from plans import quotas
+from plans import admission, limits
 from tests.factories import (
     MembershipFactory,
     OrganizationFactory,
@@ -45,7 +45,7 @@ def test_admin_sets_org_project_and_key_limits_and_the_policy_reflects_them(api_
     assert overview["effective"] == {"usage_tier": "tier-1", "rpm": 500, "tpm": 200_000}
     assert {row["scope"] for row in overview["data"]} == {"organization", "project", "key"}
 
-    policy = quotas.quota_policy_load(organization_id=org.id, project_id=project.id,
+    policy = admission.quota_policy_load(organization_id=org.id, project_id=project.id,
                                       key_id=key.id, model="m")
     assert dict(policy.rpm) == {f"o{org.id}": 500, f"p{project.id}": 100}
     assert dict(policy.tpm) == {f"o{org.id}": 200_000, f"k{key.id}": 1000}
@@ -107,7 +107,7 @@ def test_an_org_admin_cannot_set_its_own_usage_tier_but_staff_can(api_client):
     assert r.status_code == 403, r.content
     assert r.json()["param"] == "usage_tier" and "staff" in r.json()["detail"]
     assert _org_row(org) is None
-    assert api_client.get(url).json()["effective"]["usage_tier"] == quotas.DEFAULT_USAGE_TIER
+    assert api_client.get(url).json()["effective"]["usage_tier"] == limits.DEFAULT_USAGE_TIER
 
     # and staff (not a member) set it through the same endpoint
     staff = UserFactory(is_staff=True)
@@ -134,7 +134,7 @@ def test_rpm_and_tpm_above_the_tier_ceiling_are_refused_with_a_drf_error(api_cli
     org = OrganizationFactory()
     project = ProjectFactory(organization=org)
     key, _ = make_key(project=project)
-    quotas.quota_limit_set(organization=org, usage_tier="tier-1")
+    limits.quota_limit_set(organization=org, usage_tier="tier-1")
     _member(api_client, org, Role.OWNER)
     base = f"/api/v1/organizations/{org.public_id}"
     # when the owner asks for more than the tier allows, at any scope
@@ -151,7 +151,7 @@ def test_rpm_and_tpm_above_the_tier_ceiling_are_refused_with_a_drf_error(api_cli
         assert r.json()["param"] == param
         assert "at most" in r.json()["detail"] and "tier-1" in r.json()["detail"]
     # and nothing was raised
-    policy = quotas.quota_policy_load(organization_id=org.id, project_id=project.id,
+    policy = admission.quota_policy_load(organization_id=org.id, project_id=project.id,
                                       key_id=key.id, model="m")
     assert dict(policy.rpm) == {f"o{org.id}": 500}
     assert dict(policy.tpm) == {f"o{org.id}": 200_000}

@@ -23,7 +23,7 @@ from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchLine
 from engine_adapter.sim.testing import FAST_RATES, start_sim
 from metering.models import UsageEvent
-from plans import admission, quotas
+from plans import admission, limits, quotas
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, register_engine, start_gateway, stop_gateway
@@ -146,7 +146,7 @@ def test_the_reserve_covers_what_the_engine_generates_whichever_fields_are_sent(
         gateway, endpoint, kwargs, generated):
     # given a key with a token bucket, so the admission's estimate shows in the headers
     _org, key, secret = _tenant()
-    quotas.quota_limit_set(organization=key.project.organization, api_key=key, tpm=100_000)
+    limits.quota_limit_set(organization=key.project.organization, api_key=key, tpm=100_000)
     body = {**kwargs, "extra_body": {**kwargs.get("extra_body", {}), "ignore_eos": True}}
 
     raw = _create(_client(gateway, secret), endpoint, **body)
@@ -278,7 +278,7 @@ LONG_TOOL = [{"type": "function", "function": {
 def test_tools_count_in_the_prompt_bound(gateway):
     # given a key whose token bucket holds 3,000 tokens
     _org, key, secret = _tenant()
-    quotas.quota_limit_set(organization=key.project.organization, api_key=key, tpm=3000)
+    limits.quota_limit_set(organization=key.project.organization, api_key=key, tpm=3000)
     client = _client(gateway, secret)
     before = _engine_requests(gateway)
 
@@ -299,7 +299,7 @@ def test_tools_count_in_the_prompt_bound(gateway):
 
 def test_tool_calls_in_past_messages_count_in_the_prompt_bound(gateway):
     _org, key, secret = _tenant()
-    quotas.quota_limit_set(organization=key.project.organization, api_key=key, tpm=3000)
+    limits.quota_limit_set(organization=key.project.organization, api_key=key, tpm=3000)
     messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [{
         "id": "call_1", "type": "function",
         "function": {"name": "lookup", "arguments": '{"q": "' + "x" * 6000 + '"}'}}]},

@@ -1,0 +1,199 @@
+"""The policy of one (key, model), read from PostgreSQL: limits, budgets, plan credits, capacity.
+
+Why a module of its own: this is the only part of admission that reads the database. The
+runtime calls it off the request path (in a thread, about every ``POLICY_TTL_S`` per key and
+model) and caches what it returns; the scripts never see PostgreSQL. It used to live in
+``plans.quotas``, which made quotas and admission import each other; now quotas (budgets)
+uses admission's key names and scripts, and admission imports nothing of quotas.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.db.models import Q, Sum
+from django.db.models.functions import TruncMinute
+from django.utils import timezone
+
+from billing_platform.accounts.models import Organization
+from metering.selectors import rated_spend
+from plans.admission.policy import (
+    DEFAULT_USAGE_TIER,
+    USAGE_TIERS,
+    BudgetRule,
+    ProvisionedRule,
+    QuotaPolicy,
+    WindowRule,
+    to_micro,
+)
+from plans.choices import ANY_MODEL, CapPolicy, OverflowPolicy, PlanKind
+from plans.models import (
+    Budget,
+    CreditCoefficient,
+    PriceBook,
+    QuotaLimit,
+    Subscription,
+    TokenPlanPeriod,
+    TokenPlanUsage,
+)
+from plans.periods import month_bounds, period_bounds
+from plans.pricing import ModelPricing, PriceIndex
+from plans.selectors import active_reservations, subscription_at, token_plan_status
+
+
+def limits_of(*, organization_id: int, project_id: int, key_id: int
+              ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
+                         frozenset[str] | None]:
+    """Return the (rpm, tpm) limits per scope and the region narrowing for one key."""
+    rows = {row.scope: row for row in QuotaLimit.objects.filter(
+        Q(organization_id=organization_id, project__isnull=True, api_key__isnull=True)
+        | Q(project_id=project_id, api_key__isnull=True) | Q(api_key_id=key_id))}
+    org = rows.get("organization")
+    tier_rpm, tier_tpm = USAGE_TIERS[(org.usage_tier if org and org.usage_tier
+                                      else DEFAULT_USAGE_TIER)]
+    rpm = [(f"o{organization_id}", org.rpm if org and org.rpm is not None else tier_rpm)]
+    tpm = [(f"o{organization_id}", org.tpm if org and org.tpm is not None else tier_tpm)]
+    regions: frozenset[str] | None = None
+    for scope, tag in (("project", f"p{project_id}"), ("key", f"k{key_id}")):
+        row = rows.get(scope)
+        if row is None:
+            continue
+        if row.rpm is not None:
+            rpm.append((tag, row.rpm))
+        if row.tpm is not None:
+            tpm.append((tag, row.tpm))
+        if row.allowed_regions:
+            mine = frozenset(row.allowed_regions)
+            regions = mine if regions is None else regions & mine
+    if org and org.allowed_regions:
+        mine = frozenset(org.allowed_regions)
+        regions = mine if regions is None else regions & mine
+    return tuple(rpm), tuple(tpm), regions
+
+
+def _pricing_for(org: Organization, sub: Subscription | None, model: str, at: datetime
+                 ) -> ModelPricing | None:
+    book_id = sub.plan.price_book_id if sub is not None and sub.plan.price_book_id else None
+    if book_id is None:
+        currency = sub.plan.currency if sub is not None else org.currency
+        book_id = (PriceBook.objects.filter(is_default=True, currency=currency)
+                   .values_list("id", flat=True).first())
+    if book_id is None:
+        return None
+    times, pricings = PriceIndex({book_id}, {model}, at, at).series(book_id, model)
+    candidates = [p for t, p in zip(times, pricings, strict=True) if t <= at]
+    return candidates[-1] if candidates else None
+
+
+def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
+    if sub is None:
+        return ""
+    status = token_plan_status(subscription=sub, at=at)
+    if status is None or status.cap_policy != CapPolicy.BLOCK or status.credits_left > 0:
+        return ""
+    if status.window_credits is not None and status.window_used >= status.window_credits:
+        return f"the {status.window_hours}-hour window's credits are used up"
+    return "this period's credits are used up"
+
+
+def _plan_rule(sub: Subscription | None, model: str, at: datetime) -> BudgetRule | None:
+    """Return a blocking token plan's period credits as an admission rule (None otherwise)."""
+    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
+            or sub.plan.cap_policy != CapPolicy.BLOCK or not sub.plan.credits_per_period):
+        return None
+    coefs: dict[str, dict[str, Decimal]] = {}
+    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
+            "model", "token_class", "coefficient"):
+        coefs.setdefault(m, {})[cls] = c
+    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    if not mine:
+        return None  # the model is not on the plan: rated on demand, nothing to block
+    zero = Decimal("0")
+    start, _end = period_bounds(sub.billing_anchor, at)
+    period = TokenPlanPeriod.objects.filter(subscription=sub, period_start=start).first()
+    used = (period.plan_credits + period.pack_credits) if period else zero
+    status = token_plan_status(subscription=sub, at=at)
+    packs = status.pack_credits_left if status else zero
+    return BudgetRule(
+        budget_id=sub.id, scope="plan", hard=True, suspended=False,
+        limit=sub.plan.credits_per_period + packs + (period.pack_credits if period else zero),
+        spent_seed=used, period_tag=f"{start:%Y%m%d%H}",
+        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
+                      mine.get("output", zero)))
+
+
+def _window_rule(sub: Subscription | None, model: str, at: datetime) -> WindowRule | None:
+    """Return a blocking token plan's rolling window as an admission rule (None otherwise).
+
+    The limit adds the credit packs left, as the period rule does: past the window's room the
+    ledger draws on packs before blocking. The seed is the ledger's plan credits per minute
+    still in the window, used by Redis only when it holds no window for the subscription.
+    """
+    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
+            or sub.plan.cap_policy != CapPolicy.BLOCK or sub.plan.window_credits is None):
+        return None
+    coefs: dict[str, dict[str, Decimal]] = {}
+    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
+            "model", "token_class", "coefficient"):
+        coefs.setdefault(m, {})[cls] = c
+    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    if not mine:
+        return None
+    zero = Decimal("0")
+    hours = sub.plan.window_hours
+    rows = (TokenPlanUsage.objects
+            .filter(subscription=sub, event_time__gt=at - timedelta(hours=hours),
+                    event_time__lte=at, plan_credits__gt=0)
+            .annotate(minute=TruncMinute("event_time")).values("minute")
+            .annotate(credits=Sum("plan_credits")).values_list("minute", "credits"))
+    seed = tuple(sorted((int(minute.timestamp()) // 60, to_micro(credits))
+                        for minute, credits in rows))
+    status = token_plan_status(subscription=sub, at=at)
+    packs = status.pack_credits_left if status else zero
+    return WindowRule(
+        subscription_id=sub.id, hours=hours, limit=sub.plan.window_credits + packs,
+        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
+                      mine.get("output", zero)), seed=seed)
+
+
+def _provisioned_for(org_id: int, model: str, at: datetime) -> ProvisionedRule | None:
+    r = active_reservations(organization_id=org_id, at=at).filter(model=model).first()
+    if r is None:
+        return None
+    return ProvisionedRule(
+        reservation_id=r.id, region=r.region,
+        tokens_per_minute=r.units * r.tokens_per_minute_per_unit,
+        cache_burndown=r.cache_burndown, output_burndown=r.output_burndown,
+        reject_overflow=r.overflow_policy == OverflowPolicy.REJECT)
+
+
+def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, model: str
+                      ) -> QuotaPolicy:
+    """Return what admission enforces for one key and model, read from PostgreSQL."""
+    now = timezone.now()
+    org = Organization.objects.get(pk=organization_id)
+    rpm, tpm, regions = limits_of(organization_id=organization_id, project_id=project_id,
+                                  key_id=key_id)
+    start, end = month_bounds(now)
+    budgets = []
+    for b in Budget.objects.filter(Q(organization_id=organization_id, project__isnull=True)
+                                   | Q(project_id=project_id)).order_by("project_id"):
+        scope = "project" if b.project_id else "organization"
+        budgets.append(BudgetRule(
+            budget_id=b.id, scope=scope, limit=b.amount, hard=b.hard,
+            spent_seed=rated_spend(organization_id=organization_id, project_id=b.project_id,
+                                   start=start, end=end),
+            suspended=b.suspended_at is not None))
+    # org budget first, then the project's (the order of the spend-limit codes' precedence)
+    budgets.sort(key=lambda b: b.scope != "organization")
+    sub = subscription_at(organization=org, at=now)  # read once: four rules depend on it
+    plan_rule = _plan_rule(sub, model, now)
+    if plan_rule is not None:
+        budgets.append(plan_rule)
+    return QuotaPolicy(
+        org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
+        budgets=tuple(budgets), pricing=_pricing_for(org, sub, model, now),
+        allowed_regions=regions, provisioned=_provisioned_for(organization_id, model, now),
+        plan_exhausted=_plan_exhausted(sub, now), currency=org.currency,
+        window=_window_rule(sub, model, now))
