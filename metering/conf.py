@@ -46,6 +46,25 @@ def wait_aof() -> bool:
     return bool(_setting("METERING_WAIT_AOF", "TOLLGATE_USAGE_WAITAOF", False, bool))
 
 
+def stream_max_length() -> int:
+    """Return the cap of the usage stream (entries): at it, appends go to PostgreSQL directly.
+
+    Far above any backlog a running consumer has (it records thousands of events a second and
+    trims what it recorded every few seconds): a stream near the cap means the consumer has
+    been down a long time, and the cap keeps Redis's memory bounded meanwhile (about 400 bytes
+    an entry: 1,000,000 is some 400 MB).
+    """
+    return int(_setting("METERING_STREAM_MAX_LENGTH", "TOLLGATE_USAGE_STREAM_MAX_LENGTH",
+                        1_000_000, int))
+
+
+def stream_alarm_length() -> int:
+    """Return the stream length at which appends log a warning (default: half the cap)."""
+    value = _setting("METERING_STREAM_ALARM_LENGTH", "TOLLGATE_USAGE_STREAM_ALARM_LENGTH", 0,
+                     int)
+    return int(value) or stream_max_length() // 2
+
+
 def batch_size() -> int:
     """Return how many stream entries the consumer reads and records per transaction."""
     return int(_setting("METERING_BATCH_SIZE", "TOLLGATE_INGEST_BATCH", 5000, int))

@@ -38,6 +38,10 @@ APPENDS = Counter(
     "tollgate_usage_appends_total",
     "Usage events appended by the gateway and batch runner, by where they went (redis; "
     "postgres or spool when Redis failed; lost when nothing took them).", ["path"])
+STREAM_FULL = Counter(
+    "tollgate_usage_stream_full_total",
+    "Usage events the stream refused because it was at its cap "
+    "(TOLLGATE_USAGE_STREAM_MAX_LENGTH); they were written to PostgreSQL directly.")
 ID_CONFLICTS = Counter(
     "tollgate_usage_id_conflicts_total",
     "Usage events refused for claiming another source's request id (see usage_id_conflict).",
@@ -138,6 +142,9 @@ class MeteringCollector:
         yield _gauge("tollgate_usage_stream_length_events",
                      "Entries on the usage stream (recorded ones are trimmed every few "
                      "seconds).", length)
+        yield _gauge("tollgate_usage_stream_max_length_events",
+                     "The usage stream's cap: at it, appends go to PostgreSQL directly (never "
+                     "trimming an unrecorded event).", conf.stream_max_length())
 
     @staticmethod
     def _dead_letters() -> Iterator[Metric]:

@@ -3,7 +3,8 @@
 ``usage_event_append`` is what the gateway calls before a response ends. It tries, in order:
 
 1. ``XADD`` to the Redis stream (the consumer records it within about a second);
-2. when Redis fails, the direct PostgreSQL write the consumer itself uses (same dedup);
+2. when Redis fails, or the stream is at its cap (``stream.StreamFull``: the consumer is far
+   behind), the direct PostgreSQL write the consumer itself uses (same dedup);
 3. when PostgreSQL fails too, an fsync'd line in the local spool, replayed later.
 
 It returns which one took the event. A path that fails after it may have succeeded (an XADD
@@ -27,7 +28,7 @@ from django.utils import timezone
 from billing_platform.errors import DomainError, InvalidRequest
 from metering import conf, events, partitions, recording, spool, stream
 from metering.events import UsageEventData
-from metering.metrics import APPENDS, ID_CONFLICTS
+from metering.metrics import APPENDS, ID_CONFLICTS, STREAM_FULL
 from metering.models import UsageDeadLetter, UsageEventId
 from metering.recording import RecordResult
 
@@ -78,6 +79,17 @@ def _append_without_redis(data: Sequence[UsageEventData], payloads: Sequence[byt
     return "spool"
 
 
+def _stream_failed(exc: redis.RedisError, count: int) -> None:
+    """Note that the stream did not take ``count`` events; the caller writes them elsewhere."""
+    stream.breaker.trip()
+    if isinstance(exc, stream.StreamFull):
+        STREAM_FULL.inc(count)
+        log.warning("usage stream full (%s): the ingest consumer is behind or down; writing "
+                    "usage to PostgreSQL directly", exc)
+    else:
+        log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+
+
 def usage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
     """Append one usage event durably; return where it went: redis, postgres or spool.
 
@@ -104,8 +116,7 @@ def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
         try:
             stream.append_many(payloads)
         except redis.RedisError as exc:
-            stream.breaker.trip()
-            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+            _stream_failed(exc, len(payloads))
         else:
             APPENDS.labels("redis").inc(len(payloads))
             return "redis"
@@ -120,8 +131,7 @@ async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> Appe
         try:
             await stream.aappend(payload)
         except redis.RedisError as exc:
-            stream.breaker.trip()
-            log.warning("usage stream unavailable (%s); writing to PostgreSQL", exc)
+            _stream_failed(exc, 1)
         else:
             APPENDS.labels("redis").inc()
             return "redis"

@@ -6,11 +6,25 @@ over to PostgreSQL within milliseconds when Redis is gone, so they retry once (a
 connection after a Redis restart) and never back off, where the platform client retries with
 backoff. A short circuit breaker skips Redis for a moment after a failure, so a dead Redis costs
 one refused connection per second, not one per request.
+
+The stream is capped (``conf.stream_max_length``) so a consumer that stops cannot grow it
+until Redis runs out of memory and takes rate limits, budgets and the broker with it. A plain
+``XADD ... MAXLEN`` would make room by trimming the oldest entries whether or not the consumer
+group has recorded them: undelivered entries and delivered-but-unacknowledged ones (the
+group's pending entries, which a crashed consumer's successor reclaims) alike, so billable
+usage would vanish without a trace. Here the append is one script that refuses (``StreamFull``)
+when the events would not fit, and the caller writes them to PostgreSQL directly instead, the
+same fallback as a Redis outage: nothing is trimmed that was not recorded. Recorded entries
+are trimmed by the consumer (``trim_acknowledged``), so the stream's length is its backlog.
+The script's ``MAXLEN ~`` is a backstop that never fires for our appends (they stop at the
+cap, and ``~`` trims only whole nodes beyond it). Before the cap is reached the append logs a
+warning (``conf.stream_alarm_length``) and ``/metrics`` shows the length beside the cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
@@ -25,6 +39,26 @@ from metering import conf
 
 FIELD = b"e"
 BREAKER_OPEN_S = 1.0
+ALARM_LOG_EVERY_S = 60.0
+# KEYS: the stream. ARGV: cap, payload... Append all payloads, or none when they do not fit;
+# return the stream's length after the append (the ids are not needed).
+APPEND_LUA = """
+local cap = tonumber(ARGV[1])
+local length = redis.call('XLEN', KEYS[1])
+if length + #ARGV - 1 > cap then
+  return redis.error_reply('TGFULL the usage stream holds ' .. length .. ' entries, its cap is '
+    .. cap)
+end
+for i = 2, #ARGV do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', 'e', ARGV[i])
+end
+return length + #ARGV - 1
+"""
+log = logging.getLogger(__name__)
+
+
+class StreamFull(redis.RedisError):
+    """The usage stream is at its cap: the events were not appended (write them elsewhere)."""
 
 _sync_clients: dict[tuple[str, float], redis.Redis] = {}
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, aredis.Redis]] = (
@@ -66,6 +100,7 @@ def reset_clients() -> None:
         _sync_clients.clear()
     _async_clients.clear()
     breaker.close()
+    alarm.reset()
 
 
 class Breaker:
@@ -87,37 +122,93 @@ class Breaker:
 breaker = Breaker()
 
 
-async def aappend(payload: bytes) -> bytes:
-    """XADD one encoded event from async code; return its entry id."""
-    r = aclient()
-    if conf.wait_aof():
-        async with r.pipeline(transaction=False) as pipe:
-            pipe.xadd(conf.stream_key(), {FIELD: payload})
-            pipe.execute_command("WAITAOF", 1, 0, 1000)
-            entry_id, (local, _replicas) = await pipe.execute()
-        if not local:
-            raise redis.RedisError("Redis did not fsync the usage event within 1 s")
-        return entry_id
-    return await r.xadd(conf.stream_key(), {FIELD: payload})
+_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def append_many(payloads: Sequence[bytes]) -> list[bytes]:
-    """XADD several encoded events in one round trip; return their entry ids.
+def _script(r: redis.Redis | aredis.Redis):
+    """Return the append script bound to ``r`` (its SHA computed once per client)."""
+    script = _scripts.get(r)
+    if script is None:
+        script = _scripts[r] = r.register_script(APPEND_LUA)
+    return script
 
-    With ``wait_aof`` the answer waits until Redis has fsync'd them all. Raise
-    ``redis.RedisError`` on failure (some of them may have been added).
+
+def _full(exc: redis.ResponseError) -> redis.RedisError:
+    return StreamFull(str(exc).removeprefix("TGFULL ")) if str(exc).startswith("TGFULL") else exc
+
+
+class _Alarm:
+    """Log, at most once a minute per process, that the stream is filling towards its cap."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def reset(self) -> None:
+        self._next = 0.0
+
+    def check(self, length: int) -> None:
+        alarm = conf.stream_alarm_length()
+        if length < alarm or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + ALARM_LOG_EVERY_S
+        log.warning("the usage stream holds %d entries (alarm at %d, cap %d): the ingest "
+                    "consumer is behind or down; at the cap, usage goes to PostgreSQL directly",
+                    length, alarm, conf.stream_max_length())
+
+
+alarm = _Alarm()
+
+
+async def aappend(payload: bytes) -> int:
+    """Append one encoded event from async code; return the stream's length after it.
+
+    Raise ``StreamFull`` when the stream is at its cap (nothing appended), another
+    ``redis.RedisError`` when Redis failed.
     """
-    pipe = client().pipeline(transaction=False)
-    key = conf.stream_key()
-    for payload in payloads:
-        pipe.xadd(key, {FIELD: payload})
-    if conf.wait_aof():
-        pipe.execute_command("WAITAOF", 1, 0, 1000)
-        *ids, (local, _replicas) = pipe.execute()
-        if not local:
-            raise redis.RedisError("Redis did not fsync the usage events within 1 s")
-        return ids
-    return pipe.execute()
+    r = aclient()
+    script = _script(r)
+    args = [conf.stream_max_length(), payload]
+    try:
+        if conf.wait_aof():
+            async with r.pipeline(transaction=False) as pipe:
+                await script(keys=[conf.stream_key()], args=args, client=pipe)
+                pipe.execute_command("WAITAOF", 1, 0, 1000)
+                length, (local, _replicas) = await pipe.execute()
+            if not local:
+                raise redis.RedisError("Redis did not fsync the usage event within 1 s")
+        else:
+            length = await script(keys=[conf.stream_key()], args=args)
+    except redis.ResponseError as exc:
+        raise _full(exc) from None
+    alarm.check(length)
+    return length
+
+
+def append_many(payloads: Sequence[bytes]) -> int:
+    """Append several encoded events in one round trip, all or none; return the stream's
+    length after them.
+
+    With ``wait_aof`` the answer waits until Redis has fsync'd them all. Raise ``StreamFull``
+    when they do not fit under the cap (none appended), another ``redis.RedisError`` when
+    Redis failed (with ``wait_aof``, they may have been appended but not fsync'd).
+    """
+    r = client()
+    script = _script(r)
+    args = [conf.stream_max_length(), *payloads]
+    try:
+        if conf.wait_aof():
+            pipe = r.pipeline(transaction=False)
+            script(keys=[conf.stream_key()], args=args, client=pipe)
+            pipe.execute_command("WAITAOF", 1, 0, 1000)
+            length, (local, _replicas) = pipe.execute()
+            if not local:
+                raise redis.RedisError("Redis did not fsync the usage events within 1 s")
+        else:
+            length = script(keys=[conf.stream_key()], args=args)
+    except redis.ResponseError as exc:
+        raise _full(exc) from None
+    alarm.check(length)
+    return length
 
 
 def ensure_group(r: redis.Redis) -> None:
