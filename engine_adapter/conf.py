@@ -35,3 +35,24 @@ def fleet_refresh_s() -> float:
 def router_policy() -> str:
     """Return the routing policy of the gateway's router (``TOLLGATE_ROUTER_POLICY``)."""
     return os.environ.get("TOLLGATE_ROUTER_POLICY", "cache_aware")
+
+
+def engine_health_timeout_s() -> float:
+    """Return how long one health probe may take (``TOLLGATE_ENGINE_HEALTH_TIMEOUT_S``).
+
+    SGLang answers its probe after at least a second (it polls its scheduler once a second),
+    so this stays well above 1.
+    """
+    return float(os.environ.get("TOLLGATE_ENGINE_HEALTH_TIMEOUT_S", "5"))
+
+
+def engine_unhealthy_after() -> int:
+    """Return how many health checks in a row an engine may fail before it leaves routing and,
+    if Tollgate launched it, is restarted (``TOLLGATE_ENGINE_UNHEALTHY_AFTER``)."""
+    return max(1, int(os.environ.get("TOLLGATE_ENGINE_UNHEALTHY_AFTER", "3")))
+
+
+def engine_start_timeout_s() -> float:
+    """Return how long a starting engine's failed probes are not counted
+    (``TOLLGATE_ENGINE_START_TIMEOUT_S``): real SGLang loads its model for minutes."""
+    return float(os.environ.get("TOLLGATE_ENGINE_START_TIMEOUT_S", "600"))

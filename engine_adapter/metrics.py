@@ -67,8 +67,14 @@ class EngineCollector:
             "token_usage": GaugeMetricFamily(
                 "tollgate_engine_kv_cache_usage_ratio", "Fraction of the engine's KV cache in "
                 "use, as last scraped.", labels=_LABELS),
+            "unmanaged": GaugeMetricFamily(
+                "tollgate_engine_unhealthy_unmanaged", "1 if the engine failed its health "
+                "check TOLLGATE_ENGINE_UNHEALTHY_AFTER times in a row and is out of routing, "
+                "but Tollgate did not launch it and cannot restart it: someone must.",
+                labels=_LABELS),
             "restarts": CounterMetricFamily(
-                "tollgate_engine_restarts", "Times the fleet manager restarted the engine.",
+                "tollgate_engine_restarts", "Times the fleet manager restarted the engine "
+                "(its process exited, or it failed its health checks).",
                 labels=_LABELS),
         }
         with transaction.atomic(), connection.cursor() as cur:
@@ -85,5 +91,7 @@ class EngineCollector:
                 families["seen"].add_metric(labels, inst.last_seen_at.timestamp())
             for key in ("running", "queued", "token_usage"):
                 families[key].add_metric(labels, float(load.get(key, 0.0)))
+            families["unmanaged"].add_metric(
+                labels, int(inst.status == EngineStatus.UNHEALTHY and not inst.launched))
             families["restarts"].add_metric(labels, inst.restarts)
         yield from families.values()

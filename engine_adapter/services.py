@@ -1,13 +1,17 @@
-"""Fleet operations: load the spec, launch and stop engines, check health, restart crashes."""
+"""Fleet operations: load the spec, launch and stop engines, check health, restart crashed
+and hung engines."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,6 +28,7 @@ from engine_adapter.spec import FleetSpec, PoolSpec, SpecError
 
 SGLANG_MODEL_MARKER = "@sglang-cpu-model"
 Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -213,42 +218,118 @@ def fleet_down(*, pool_names: list[str] | None = None, progress: Progress = prin
     return count
 
 
-def fleet_health_check(*, restart: bool = True, timeout: float = 2.0) -> dict[str, str]:
-    """Probe every engine: health, load from /metrics; restart crashed engines we launched."""
-    states = {}
+@dataclass(frozen=True)
+class _Probe:
+    ok: bool
+    error: str
+    load: dict[str, float] | None
+
+
+def _probe(url: str, timeout: float) -> _Probe:
+    """Ask the engine for one generated token (``/health_generate``) and scrape its load.
+
+    ``/health`` says only that the HTTP process is up; a hung scheduler passes it. The load
+    is scraped either way: a sick engine's queue is worth seeing too.
+    """
+    try:
+        health = httpx.get(f"{url}/health_generate", timeout=timeout)
+    except httpx.TimeoutException:
+        ok, error = False, f"/health_generate did not answer within {timeout:g}s"
+    except httpx.HTTPError as exc:
+        ok, error = False, f"unreachable: {exc!r}"
+    else:
+        ok = health.status_code == 200
+        error = "" if ok else f"/health_generate answered {health.status_code}"
+    load = None
+    try:
+        metrics = httpx.get(f"{url}/metrics", timeout=timeout)
+        if metrics.status_code == 200:
+            load = parse_engine_load(metrics.text)
+    except httpx.HTTPError:
+        pass  # the probe's outcome is what counts
+    return _Probe(ok, error, load)
+
+
+def _engine_replace(inst: EngineInstance, *, why: str) -> EngineInstance:
+    """Stop what is left of an engine we launched and start its replica afresh."""
+    if pid_alive(inst.pid):
+        _terminate(inst.pid)
+    fresh = engine_launch(pool=inst.pool, replica=inst.replica)
+    EngineInstance.objects.filter(pk=fresh.pk).update(restarts=inst.restarts + 1,
+                                                      last_error=why)
+    log.warning("engine %s restarted (%s); log %s", inst.engine_id, why, fresh.log_path)
+    return fresh
+
+
+def fleet_health_check(*, restart: bool = True, timeout: float | None = None) -> dict[str, str]:
+    """Probe every engine, record its load, and take the failing ones out of routing.
+
+    Each engine gets a real 1-token generation (``/health_generate``), all engines at once so
+    a hung one costs the round its ``timeout`` only. An engine that fails
+    ``conf.engine_unhealthy_after()`` probes in a row leaves routing; one Tollgate launched
+    is then restarted (so is one whose process exited, at once). One started elsewhere
+    (``external``) stays out of routing, logged and on ``/metrics``, until it passes a probe
+    again. A starting engine's failures count only after ``conf.engine_start_timeout_s()``.
+    Return each engine's state: its status, or ``restarted``.
+    """
+    timeout = conf.engine_health_timeout_s() if timeout is None else timeout
+    states: dict[str, str] = {}
+    probed: list[EngineInstance] = []
     for inst in EngineInstance.objects.select_related("pool").exclude(
-            status=EngineStatus.STOPPED):
+            status=EngineStatus.STOPPED).order_by("engine_id"):
         if inst.launched and not pid_alive(inst.pid):
-            inst.status, inst.last_error = EngineStatus.CRASHED, "process exited"
             if restart:
-                fresh = engine_launch(pool=inst.pool, replica=inst.replica)
-                EngineInstance.objects.filter(pk=fresh.pk).update(restarts=inst.restarts + 1)
+                _engine_replace(inst, why="the process exited")
                 states[inst.engine_id] = "restarted"
                 continue
+            inst.status, inst.last_error = EngineStatus.CRASHED, "process exited"
             inst.save(update_fields=["status", "last_error"])
             states[inst.engine_id] = inst.status
             continue
-        try:
-            health = httpx.get(f"{inst.url}/health", timeout=timeout)
-            metrics = httpx.get(f"{inst.url}/metrics", timeout=timeout)
-        except httpx.HTTPError as exc:
-            ok, error, load = False, f"unreachable: {exc!r}", None
-        else:
-            ok = health.status_code == 200
-            error = "" if ok else f"/health answered {health.status_code}"
-            load = parse_engine_load(metrics.text) if metrics.status_code == 200 else None
-        if ok:
-            inst.status, inst.failures = EngineStatus.HEALTHY, 0
-            inst.last_seen_at = timezone.now()
-        elif inst.status != EngineStatus.STARTING or inst.failures > 60:
-            inst.failures += 1
-            inst.status = EngineStatus.UNHEALTHY
-        inst.last_error = error
-        if load is not None:
-            inst.load = load
-        inst.save(update_fields=["status", "failures", "last_seen_at", "last_error", "load"])
-        states[inst.engine_id] = inst.status
+        probed.append(inst)
+    if probed:
+        with ThreadPoolExecutor(max_workers=min(32, len(probed))) as executor:
+            probes = list(executor.map(lambda i: _probe(i.url, timeout), probed))
+        for inst, probe in zip(probed, probes, strict=True):
+            states[inst.engine_id] = _health_record(inst, probe, restart=restart)
     return states
+
+
+def _health_record(inst: EngineInstance, probe: _Probe, *, restart: bool) -> str:
+    """Record one probe's outcome; restart or take out of routing at the limit."""
+    now = timezone.now()
+    if probe.load is not None:
+        inst.load = probe.load
+    fields = ["status", "failures", "last_seen_at", "last_error", "load"]
+    if probe.ok:
+        if inst.status == EngineStatus.UNHEALTHY:
+            log.warning("engine %s passes its health check again: back in routing",
+                        inst.engine_id)
+        inst.status, inst.failures, inst.last_seen_at = EngineStatus.HEALTHY, 0, now
+        inst.last_error = ""
+        inst.save(update_fields=fields)
+        return inst.status
+    inst.last_error = probe.error
+    booting = (inst.status == EngineStatus.STARTING
+               and (now - inst.started_at).total_seconds() < conf.engine_start_timeout_s())
+    if not booting:
+        inst.failures += 1
+    limit = conf.engine_unhealthy_after()
+    if inst.failures < limit:  # one slow probe is not an outage: still routed
+        inst.save(update_fields=fields)
+        return inst.status
+    why = f"failed {inst.failures} health checks in a row, the last: {probe.error}"
+    if inst.launched and restart:
+        _engine_replace(inst, why=why)
+        return "restarted"
+    if inst.status != EngineStatus.UNHEALTHY:
+        log.warning("engine %s %s: out of routing; %s", inst.engine_id, why,
+                    "the next health check restarts it" if inst.launched else
+                    "Tollgate did not launch it, so it cannot restart it: restart it where "
+                    "it runs (it rejoins once it passes a health check)")
+    inst.status = EngineStatus.UNHEALTHY
+    inst.save(update_fields=fields)
+    return inst.status
 
 
 def fleet_restart(*, pool_name: str, progress: Progress = print) -> list[EngineInstance]:
