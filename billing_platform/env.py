@@ -143,3 +143,13 @@ GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FA
                                                    default=4.0)
 QUOTA_RESERVATION_TTL_S: float = env.float("TOLLGATE_RESERVATION_TTL_S", default=600.0)
 QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0)
+
+# Budget-alert webhooks (plans/webhooks.py). Customers' URLs may not reach private, loopback,
+# link-local (cloud metadata) or other non-public addresses unless this allows them (a
+# deployment whose customers are on its own network; the tests' local receivers).
+WEBHOOK_ALLOW_PRIVATE_ADDRESSES: bool = env.bool("TOLLGATE_WEBHOOK_ALLOW_PRIVATE_ADDRESSES",
+                                                 default=False)
+# A failed delivery is retried this many times, after about BACKOFF_S x 2^n seconds (jittered,
+# at most an hour apart): the defaults keep trying for up to six hours.
+BUDGET_WEBHOOK_MAX_RETRIES: int = env.int("TOLLGATE_BUDGET_WEBHOOK_MAX_RETRIES", default=12)
+BUDGET_WEBHOOK_BACKOFF_S: int = env.int("TOLLGATE_BUDGET_WEBHOOK_BACKOFF_S", default=30)

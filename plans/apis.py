@@ -26,7 +26,7 @@ from billing_platform.accounts.selectors import OrgAccess, org_access
 from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.idempotency.services import idempotent
-from plans import limits, quotas, selectors, services
+from plans import quotas, selectors, services
 from plans import serializers as s
 from plans.models import (
     Budget,
@@ -420,10 +420,15 @@ class BudgetWriteSerializer(drf_serializers.Serializer):
     hard = drf_serializers.BooleanField(default=True)
     thresholds = drf_serializers.ListField(child=drf_serializers.IntegerField(min_value=1,
                                                                               max_value=1000),
-                                           required=False)
-    alert_emails = drf_serializers.ListField(child=drf_serializers.EmailField(),
-                                             required=False, default=list)
-    webhook_url = drf_serializers.URLField(required=False, allow_blank=True, default="")
+                                           required=False, min_length=1,
+                                           max_length=quotas.MAX_THRESHOLDS)
+    alert_emails = drf_serializers.ListField(child=drf_serializers.EmailField(max_length=254),
+                                             required=False, default=list,
+                                             max_length=quotas.MAX_ALERT_EMAILS)
+    webhook_url = drf_serializers.URLField(
+        required=False, allow_blank=True, default="", max_length=200,
+        help_text="Receives a signed POST per threshold crossed (header Tollgate-Signature); "
+                  "must resolve to public addresses only.")
 
 
 def _limits_data(row: Any) -> dict[str, Any]:
@@ -462,24 +467,24 @@ class OrgLimitsApi(PlansOrgView):
 
     @extend_schema(responses=LimitsSerializer)
     def get(self, request: Request, org_id: str) -> Response:
-        rows = limits.limits_rows_of(organization=self.org)
+        rows = quotas.limits_rows_of(organization=self.org)
         org_row = next((r for r in rows if r.scope == "organization"), None)
         tier = (org_row.usage_tier if org_row and org_row.usage_tier
-                else limits.DEFAULT_USAGE_TIER)
-        rpm, tpm = limits.USAGE_TIERS[tier]
+                else quotas.DEFAULT_USAGE_TIER)
+        rpm, tpm = quotas.USAGE_TIERS[tier]
         effective = {"usage_tier": tier,
                      "rpm": org_row.rpm if org_row and org_row.rpm is not None else rpm,
                      "tpm": org_row.tpm if org_row and org_row.tpm is not None else tpm}
         return Response({"object": "quota.limits_overview", "effective": effective,
                          "usage_tiers": {k: {"rpm": v[0], "tpm": v[1]}
-                                         for k, v in limits.USAGE_TIERS.items()},
+                                         for k, v in quotas.USAGE_TIERS.items()},
                          "data": [_limits_data(r) for r in rows]})
 
     @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
     def put(self, request: Request, org_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        row = limits.quota_limit_set(organization=self.org, acting_user=request.user,
+        row = quotas.quota_limit_set(organization=self.org, acting_user=request.user,
                                      **body.validated_data)
         return Response(_limits_data(row))
 
@@ -495,12 +500,12 @@ class ProjectLimitsApi(OrgScopedView):
             raise InvalidRequest("A usage tier is set on the organization only.",
                                  param="usage_tier")
         body.validated_data.pop("usage_tier", None)
-        row = limits.quota_limit_set(organization=self.org, project=self.project(project_id),
+        row = quotas.quota_limit_set(organization=self.org, project=self.project(project_id),
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
-        limits.quota_limit_delete(organization=self.org, project=self.project(project_id),
+        quotas.quota_limit_delete(organization=self.org, project=self.project(project_id),
                                   acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -518,12 +523,12 @@ class KeyLimitsApi(OrgScopedView):
         if body.validated_data.pop("usage_tier", None):
             raise InvalidRequest("A usage tier is set on the organization only.",
                                  param="usage_tier")
-        row = limits.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
+        row = quotas.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
-        limits.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
+        quotas.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
                                   acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 

@@ -21,14 +21,16 @@ ADMISSION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 BUDGET_WEBHOOKS = Counter(
     "tollgate_budget_alert_webhooks_total",
-    "Budget-alert webhook deliveries, by outcome: delivered (2xx) or failed (another status, "
-    "or no answer).", ["outcome"])
+    "Budget-alert webhook delivery attempts, by outcome: delivered (2xx), failed (another "
+    "status, a redirect, or no answer: retried), refused (the URL leads to a non-public "
+    "address: not retried); abandoned counts alerts whose last retry failed too.", ["outcome"])
+WEBHOOK_OUTCOMES = ("delivered", "failed", "refused", "abandoned")
 
 
 # Known label values start at 0, so an alert on increase() sees the first event too.
 for _outcome in ("admitted", "rejected", "error"):
     ADMISSION_SECONDS.labels(_outcome)
-for _outcome in ("delivered", "failed"):
+for _outcome in WEBHOOK_OUTCOMES:
     BUDGET_WEBHOOKS.labels(_outcome)
 
 
@@ -52,7 +54,8 @@ def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]
     return wrapper
 
 
-def budget_webhook_counted(status: str) -> None:
-    """Count one budget-alert webhook delivery from its recorded status ("204", "failed: ...")."""
-    BUDGET_WEBHOOKS.labels("delivered" if status[:1] == "2" and status.isdigit()
-                           else "failed").inc()
+def budget_webhook_counted(outcome: str) -> None:
+    """Count one budget-alert webhook attempt (or an abandoned alert) under its outcome."""
+    if outcome not in WEBHOOK_OUTCOMES:
+        raise ValueError(f"unknown webhook outcome {outcome!r}")
+    BUDGET_WEBHOOKS.labels(outcome).inc()

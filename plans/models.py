@@ -674,7 +674,12 @@ class Budget(models.Model):
 
 
 class BudgetAlert(models.Model):
-    """One threshold crossed in one period: sent at most once (the unique constraint)."""
+    """One threshold crossed in one period: sent at most once (the unique constraint).
+
+    The row is also the webhook's delivery record (``plans.webhooks``): ``webhook_status`` is
+    the last attempt's answer, ``webhook_delivered_at`` is set by the attempt that got a 2xx,
+    and no attempt is made after it.
+    """
 
     budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts")
     period_start = models.DateTimeField()
@@ -682,6 +687,8 @@ class BudgetAlert(models.Model):
     spend = _money_field()
     email_sent_at = models.DateTimeField(null=True, blank=True)
     webhook_status = models.CharField(max_length=40, blank=True)
+    webhook_attempts = models.PositiveSmallIntegerField(default=0)
+    webhook_delivered_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

@@ -1,6 +1,6 @@
-"""Budgets end to end: alerts once per threshold (email + HMAC-signed webhook to a real local
-HTTP server), suspension of an exhausted hard budget's keys and reinstatement when it is
-raised, drift repair of Redis from PostgreSQL, and the audit log.
+"""Budgets end to end: alerts once per threshold (email from the sweep, HMAC-signed webhook from
+a real worker to a real local HTTP server), suspension of an exhausted hard budget's keys and
+reinstatement when it is raised, drift repair of Redis from PostgreSQL, and the audit log.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from billing_platform.audit.models import AuditEvent
 from metering.models import UsageEvent
-from plans import admission, quotas
+from plans import admission, quotas, webhooks
 from plans.models import BudgetAlert
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key
@@ -54,8 +54,11 @@ def _chat(gateway, secret: str) -> httpx.Response:
 
 
 def test_alerts_fire_once_per_threshold_by_email_and_signed_webhook(
-        live_gateway, webhook_sink, mailoutbox):  # noqa: F811
+        live_gateway, webhook_sink, mailoutbox, celery_worker_process, settings):  # noqa: F811
     url, received = webhook_sink
+    settings.WEBHOOK_ALLOW_PRIVATE_ADDRESSES = True  # the sink is on this host
+    worker = celery_worker_process(queues="quota", env={
+        "TOLLGATE_WEBHOOK_ALLOW_PRIVATE_ADDRESSES": "1"})
     org = OrganizationFactory()
     _key, secret = make_key(project=ProjectFactory(organization=org), scopes=["inference"])
     budget = quotas.budget_set(organization=org, amount="0.0002", hard=False,
@@ -75,7 +78,9 @@ def test_alerts_fire_once_per_threshold_by_email_and_signed_webhook(
                   .values_list("threshold", flat=True)) == [50, 80, 100]
     assert len(mailoutbox) == 3
     assert all(m.to == ["ops@example.com"] for m in mailoutbox)
-    assert [json.loads(body)["threshold"] for _h, body in received] == [50, 80, 100]
+    wait_until(lambda: len(received) >= 3, timeout=120,
+               what=f"three webhooks from the worker (log: {worker.log_path})")
+    assert sorted(json.loads(body)["threshold"] for _h, body in received) == [50, 80, 100]
     for headers, body in received:
         header = headers["Tollgate-Signature"]
         # the documented scheme: t=<unix>,v1=hex(HMAC-SHA256(secret, "<t>." + raw body))
@@ -83,10 +88,13 @@ def test_alerts_fire_once_per_threshold_by_email_and_signed_webhook(
         expected = hmac.new(budget.webhook_secret.encode(), f"{parts['t']}.".encode() + body,
                             hashlib.sha256).hexdigest()
         assert hmac.compare_digest(parts["v1"], expected)
-        assert quotas.verify_webhook(secret=budget.webhook_secret, body=body, header=header)
-        assert not quotas.verify_webhook(secret=budget.webhook_secret, body=body + b" ",
-                                         header=header)
-    assert BudgetAlert.objects.filter(budget=budget, webhook_status="204").count() == 3
+        assert webhooks.verify_webhook(secret=budget.webhook_secret, body=body, header=header)
+        assert not webhooks.verify_webhook(secret=budget.webhook_secret, body=body + b" ",
+                                           header=header)
+    wait_until(lambda: BudgetAlert.objects.filter(
+        budget=budget, webhook_status="204", webhook_delivered_at__isnull=False).count() == 3,
+        timeout=30, what="the alerts to record their deliveries")
+    assert len(received) == 3
     assert AuditEvent.objects.filter(organization=org, action="budget.alert").count() == 3
 
 
