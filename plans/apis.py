@@ -26,7 +26,7 @@ from billing_platform.accounts.selectors import OrgAccess, org_access
 from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.idempotency.services import idempotent
-from plans import quotas, selectors, services
+from plans import limits, quotas, selectors, services
 from plans import serializers as s
 from plans.models import (
     Budget,
@@ -467,24 +467,24 @@ class OrgLimitsApi(PlansOrgView):
 
     @extend_schema(responses=LimitsSerializer)
     def get(self, request: Request, org_id: str) -> Response:
-        rows = quotas.limits_rows_of(organization=self.org)
+        rows = limits.limits_rows_of(organization=self.org)
         org_row = next((r for r in rows if r.scope == "organization"), None)
         tier = (org_row.usage_tier if org_row and org_row.usage_tier
-                else quotas.DEFAULT_USAGE_TIER)
-        rpm, tpm = quotas.USAGE_TIERS[tier]
+                else limits.DEFAULT_USAGE_TIER)
+        rpm, tpm = limits.USAGE_TIERS[tier]
         effective = {"usage_tier": tier,
                      "rpm": org_row.rpm if org_row and org_row.rpm is not None else rpm,
                      "tpm": org_row.tpm if org_row and org_row.tpm is not None else tpm}
         return Response({"object": "quota.limits_overview", "effective": effective,
                          "usage_tiers": {k: {"rpm": v[0], "tpm": v[1]}
-                                         for k, v in quotas.USAGE_TIERS.items()},
+                                         for k, v in limits.USAGE_TIERS.items()},
                          "data": [_limits_data(r) for r in rows]})
 
     @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
     def put(self, request: Request, org_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        row = quotas.quota_limit_set(organization=self.org, acting_user=request.user,
+        row = limits.quota_limit_set(organization=self.org, acting_user=request.user,
                                      **body.validated_data)
         return Response(_limits_data(row))
 
@@ -500,12 +500,12 @@ class ProjectLimitsApi(OrgScopedView):
             raise InvalidRequest("A usage tier is set on the organization only.",
                                  param="usage_tier")
         body.validated_data.pop("usage_tier", None)
-        row = quotas.quota_limit_set(organization=self.org, project=self.project(project_id),
+        row = limits.quota_limit_set(organization=self.org, project=self.project(project_id),
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
-        quotas.quota_limit_delete(organization=self.org, project=self.project(project_id),
+        limits.quota_limit_delete(organization=self.org, project=self.project(project_id),
                                   acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -523,12 +523,12 @@ class KeyLimitsApi(OrgScopedView):
         if body.validated_data.pop("usage_tier", None):
             raise InvalidRequest("A usage tier is set on the organization only.",
                                  param="usage_tier")
-        row = quotas.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
+        row = limits.quota_limit_set(organization=self.org, api_key=self.key(project_id, key_id),
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
-        quotas.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
+        limits.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
                                   acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
