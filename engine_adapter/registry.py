@@ -40,7 +40,7 @@ class Fleet:
         started = time.monotonic()  # the view is as old as the read's start
         snap = fleet_snapshot()
         self.zones = zone_regions()
-        self.router.set_engines(snap.engines, healthy=snap.healthy)
+        self.router.set_engines(snap.engines, healthy=snap.healthy, offered=snap.offered)
         for engine_id, load in snap.loads.items():
             self.router.observe_load(engine_id, load)
         self._refreshed = started

@@ -16,6 +16,11 @@ Policies:
 
 The router is pure Python state per process; it imports nothing from Django. Engines come from
 the fleet registry; loads are the router's own in-flight counts plus the last scraped queue.
+
+What is offered where (the fleet spec's pools) is known apart from which engines run: a model
+offered in a region whose engines are all down, stopped or not started yet is ``NoCapacity``
+(retry: 503), while a model not offered in the allowed regions at all is ``ModelNotServed``
+(404). Either way nothing is sent outside the allowed regions.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, NoCapacity
@@ -88,6 +93,7 @@ class Router:
         self.bound = bound
         self._lock = threading.Lock()
         self._engines: dict[str, EngineInfo] = {}
+        self._offered: dict[str, set[str]] = {}  # model -> regions it is offered in
         self._healthy: set[str] = set()
         self._inflight: dict[str, int] = {}
         self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
@@ -99,12 +105,18 @@ class Router:
     # -- fleet state -------------------------------------------------------------------------
 
     def set_engines(self, engines: Iterable[EngineInfo], *,
-                    healthy: Iterable[str] | None = None) -> None:
-        """Replace the known engines (all healthy unless ``healthy`` names a subset)."""
+                    healthy: Iterable[str] | None = None,
+                    offered: Mapping[str, Iterable[str]] | None = None) -> None:
+        """Replace the known engines (all healthy unless ``healthy`` names a subset) and
+        where each model is offered (``offered``: model -> regions, whether or not an engine
+        runs there; the engines' own models and regions are always offered)."""
         with self._lock:
             engines = list(engines)
             self._engines = {e.engine_id: e for e in engines}
             self._healthy = set(healthy) if healthy is not None else set(self._engines)
+            self._offered = {model: set(regions) for model, regions in (offered or {}).items()}
+            for e in engines:
+                self._offered.setdefault(e.model, set()).add(e.region)
             for e in engines:
                 self._inflight.setdefault(e.engine_id, 0)
                 # ~4 characters a token; keep as many blocks as the engine's KV cache holds.
@@ -121,10 +133,12 @@ class Router:
             self._scraped[engine_id] = load
 
     def models(self) -> set[str]:
-        return {e.model for e in self._engines.values()}
+        """Return the models offered somewhere (their engines may all be down)."""
+        return {model for model, regions in self._offered.items() if regions}
 
     def regions_of(self, model: str) -> set[str]:
-        return {e.region for e in self._engines.values() if e.model == model}
+        """Return the regions ``model`` is offered in (their engines may all be down)."""
+        return set(self._offered.get(model, ()))
 
     def scraped_load(self, engine_id: str) -> EngineLoad | None:
         """Return the engine's last scraped load (None until the health task has seen it)."""
@@ -135,11 +149,19 @@ class Router:
         return self._inflight.get(engine_id, 0) + (scraped.queued if scraped else 0)
 
     def candidates(self, model: str, allowed_regions: set[str] | None) -> list[EngineInfo]:
-        """Return healthy engines of ``model`` in ``allowed_regions`` (None: any region)."""
-        of_model = [e for e in self._engines.values() if e.model == model]
-        if not of_model:
-            raise ModelNotServed(f"No engine serves model {model!r}.")
-        ok = [e for e in of_model if e.engine_id in self._healthy
+        """Return healthy engines of ``model`` in ``allowed_regions`` (None: any region).
+
+        Raise ``ModelNotServed`` if the model is not offered in those regions at all, and
+        ``NoCapacity`` if it is but none of its engines there is healthy.
+        """
+        offered = self._offered.get(model, set())
+        if allowed_regions is not None:
+            offered = offered & allowed_regions
+        if not offered:
+            # the same words whether it runs elsewhere or nowhere: nothing about other regions
+            raise ModelNotServed(f"The model {model!r} is not offered in the allowed regions.")
+        ok = [e for e in self._engines.values() if e.model == model
+              and e.engine_id in self._healthy
               and (allowed_regions is None or e.region in allowed_regions)]
         if not ok:
             where = ", ".join(sorted(allowed_regions)) if allowed_regions else "any region"

@@ -14,10 +14,12 @@ class FleetSnapshot:
     engines: list[EngineInfo]
     healthy: set[str]
     loads: dict[str, EngineLoad]
+    offered: dict[str, set[str]]  # model -> regions of its pools in the spec, engines or not
 
 
 def fleet_snapshot() -> FleetSnapshot:
-    """Return every non-stopped engine, which are healthy, and their last scraped load."""
+    """Return every non-stopped engine, which are healthy, their last scraped load, and where
+    each model is offered (a pool whose engines are all stopped still offers its model)."""
     engines, healthy, loads = [], set(), {}
     instances = (EngineInstance.objects.select_related("pool")
                  .exclude(status=EngineStatus.STOPPED).filter(pool__in_spec=True))
@@ -31,7 +33,7 @@ def fleet_snapshot() -> FleetSnapshot:
         if inst.status == EngineStatus.HEALTHY:
             healthy.add(inst.engine_id)
         loads[inst.engine_id] = EngineLoad.from_metrics(inst.load or {})
-    return FleetSnapshot(engines, healthy, loads)
+    return FleetSnapshot(engines, healthy, loads, served_models())
 
 
 def zone_regions(*, in_spec_only: bool = True) -> dict[str, set[str]]:

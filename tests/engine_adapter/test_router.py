@@ -36,6 +36,25 @@ def test_no_healthy_engine_in_zone_is_an_error_not_a_detour():
         router.choose(model="other", namespace="org", prompt="hi")
 
 
+def test_offered_with_no_engine_up_is_no_capacity_and_not_offered_is_not_served():
+    # given small offered in us-east and eu-west, with only the US engine running
+    us = _engines(1, region="us-east")
+    router = Router()
+    router.set_engines(us, offered={"m": {"us-east", "eu-west"}})
+    assert router.models() == {"m"} and router.regions_of("m") == {"us-east", "eu-west"}
+    # then EU traffic is a retryable no-capacity, never a detour to the US
+    with pytest.raises(NoCapacity) as down:
+        router.choose(model="m", namespace="org", prompt="hi", allowed_regions={"eu-west"})
+    assert down.value.status == 503
+    # and a region it is not offered in is "not served", in words that name no other region
+    with pytest.raises(ModelNotServed) as missing:
+        router.choose(model="m", namespace="org", prompt="hi", allowed_regions={"ap-south"})
+    assert missing.value.status == 404 and "us-east" not in str(missing.value)
+    # the engines' own models are offered even without the spec's map
+    router.set_engines(_engines(1, region="eu-west", model="x"))
+    assert router.regions_of("x") == {"eu-west"} and router.models() == {"x"}
+
+
 def test_cache_aware_keeps_a_tenant_conversation_on_one_engine():
     router = Router(_engines(4))
     first = router.choose(model="m", namespace="org-a", prompt=SYSTEM + "question one")
