@@ -167,7 +167,8 @@ class PlanUpdateSerializer(serializers.Serializer):
     monthly_fee = _money(required=False)
     credits_per_period = _credits(required=False, allow_null=True)
     window_credits = _credits(required=False, allow_null=True)
-    window_hours = serializers.IntegerField(min_value=1, required=False)
+    # the column's bound (a PositiveSmallIntegerField), as PlanSerializer reads it off the model
+    window_hours = serializers.IntegerField(min_value=1, max_value=32767, required=False)
     cap_policy = serializers.ChoiceField(choices=CapPolicy.choices, required=False)
     is_public = serializers.BooleanField(required=False)
     is_active = serializers.BooleanField(required=False)
