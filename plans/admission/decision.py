@@ -140,9 +140,9 @@ class Ticket:
                             completion_tokens=completion_tokens)
         keys = [reservations_key(p.org_id), *self.budget_keys]
         refunds = [(k, tpm) for k, _rpm, tpm in p.rate_scopes if tpm >= 0]
-        provisioned = self.capacity == "provisioned" and p.provisioned is not None
+        prov = p.provisioned if self.capacity == "provisioned" else None
         argv: list[Arg] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
-                           len(refunds) + int(provisioned), self.admitted_ms]
+                           len(refunds) + int(prov is not None), self.admitted_ms]
         for rule in p.budgets:
             argv.append(cost if rule.coefficients is None else credits_micro(
                 rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
@@ -156,13 +156,13 @@ class Ticket:
         for key, cap in refunds:
             keys.append(key)
             argv += [cap, unused]
-        if provisioned:
+        if prov is not None:
             norm = normalized_tokens(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                                      completion_tokens=completion_tokens,
-                                     cache_burndown=p.provisioned.cache_burndown,
-                                     output_burndown=p.provisioned.output_burndown)
-            keys.append(prov_key(p.org_id, p.provisioned.reservation_id))
-            argv += [p.provisioned.tokens_per_minute, self.estimate_norm - norm]
+                                     cache_burndown=prov.cache_burndown,
+                                     output_burndown=prov.output_burndown)
+            keys.append(prov_key(p.org_id, prov.reservation_id))
+            argv += [prov.tokens_per_minute, self.estimate_norm - norm]
         return keys, argv
 
 

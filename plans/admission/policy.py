@@ -129,7 +129,8 @@ def to_micro(amount: Decimal) -> int:
     return int((amount * MICRO).to_integral_value(rounding=ROUND_CEILING))
 
 
-def from_micro(micro: int | str) -> Decimal:
+def from_micro(micro: int | str | bytes) -> Decimal:
+    """Return an amount from integer micro-units (as Redis answers them: bytes, text or int)."""
     return Decimal(int(micro)) / MICRO
 
 

@@ -161,14 +161,16 @@ class _Batcher:
             all_argv += [kind, len(keys), len(argv), *argv]
         if self.sha is None:
             self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
+        results: list[Any]
         try:
-            return await self.connection.execute(
+            results = await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
         except NoScriptError:
             # Redis lost its script cache (a restart): nothing ran; load it and run again.
             self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
-            return await self.connection.execute(
+            results = await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+        return results
 
     async def _flush(self, batch: list[_Op] | None) -> None:
         if batch is None:
