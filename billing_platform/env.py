@@ -82,6 +82,11 @@ SECURE_PROXY_SSL_HEADER: tuple[str, str] | None = _proxy_ssl_header(
 # address) lock that pair out for the cool-off period.
 LOGIN_FAILURE_LIMIT: int = env.int("TOLLGATE_LOGIN_FAILURE_LIMIT", default=5)
 LOGIN_COOLOFF_MINUTES: int = env.int("TOLLGATE_LOGIN_COOLOFF_MINUTES", default=15)
+# /v1 throttle of failed API-key authentications (billing_platform/accounts/auth_throttle.py):
+# this many failures from one client address (an IPv6 /64) within the window, and its requests
+# are answered 429 until the window ends, without a key lookup in PostgreSQL.
+AUTH_FAILURE_LIMIT: int = env.int("TOLLGATE_AUTH_FAILURE_LIMIT", default=20)
+AUTH_FAILURE_WINDOW_S: int = env.int("TOLLGATE_AUTH_FAILURE_WINDOW_S", default=60)
 
 STRIPE_API_KEY: str = env.str("STRIPE_API_KEY", default="")
 # Unset outside production: the webhook endpoint accepts nothing (and says what to set), since a

@@ -218,6 +218,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 
 # API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
 API_KEY_CACHE_TTL_S = 300
+# A prefix no key has is cached this long (a client repeating a deleted or made-up key costs
+# no query); failed authentications on /v1 are throttled per client address.
+API_KEY_NEGATIVE_CACHE_TTL_S = 60
+AUTH_FAILURE_LIMIT = E.AUTH_FAILURE_LIMIT
+AUTH_FAILURE_WINDOW_S = E.AUTH_FAILURE_WINDOW_S
 
 # Invoicing and payments (billing_platform.invoicing).
 STRIPE_API_KEY = E.STRIPE_API_KEY

@@ -5,6 +5,12 @@ Entries are filled with ``SET NX`` and changed keys are invalidated by writing a
 (compare-and-set), so a reader that read the database before a revocation committed can never
 write its stale copy over the invalidation: revocation takes effect at once.
 
+Unknown prefixes are cached too (``UNKNOWN``, for ``API_KEY_NEGATIVE_CACHE_TTL_S``), so a
+client that keeps presenting a deleted or made-up key costs a Redis read, not a PostgreSQL
+query, each time. The negative entry is written by the same compare-and-set fill, so it never
+replaces an invalidation; a key created later under a prefix that was probed before it existed
+(one in 36^12) is refused until the short negative TTL runs out.
+
 A change is bracketed: ``hold`` runs inside the writer's transaction, before it commits, and
 adds the writer's token to the key's ``changing`` set (and drops the cached entry); while that
 set is not empty no reader may fill the cache, so every lookup reads the database. ``release``
@@ -56,6 +62,8 @@ log = logging.getLogger(__name__)
 
 LAST_USED_HASH = "tg:apikey:last_used"
 MARKER = "reload:"
+NEGATIVE = "unknown"  # the cached value of a prefix no key has
+UNKNOWN: dict[str, Any] = {}  # what ``read`` returns for it (compare with ``is``)
 TOUCH_BATCH_S = 1.0  # the gateway writes last-used times at most this often, all in one HSET
 
 
@@ -72,11 +80,14 @@ def _decode(raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
         return None, None
     if raw.startswith(MARKER):
         return None, raw
+    if raw == NEGATIVE:
+        return UNKNOWN, None
     return json.loads(raw), None
 
 
 def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Return ``(entry, marker)``: a cached entry, or the marker to replace (None if absent)."""
+    """Return ``(entry, marker)``: a cached entry (``UNKNOWN`` for a prefix known to have no
+    key), or the marker to replace (None if absent)."""
     return _decode(get_redis().get(cache_key(prefix)))
 
 
@@ -85,16 +96,23 @@ async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
     return _decode(await get_pipelined().execute("GET", cache_key(prefix)))
 
 
-def fill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
-    """Store a freshly read entry unless the key was invalidated since it was read."""
+def _value(entry: dict[str, Any] | None) -> tuple[str, int]:
+    if entry is None:
+        return NEGATIVE, settings.API_KEY_NEGATIVE_CACHE_TTL_S
+    return json.dumps(entry), settings.API_KEY_CACHE_TTL_S
+
+
+def fill(prefix: str, entry: dict[str, Any] | None, *, marker: str | None) -> None:
+    """Store a freshly read entry (None: no key has this prefix) unless the key was
+    invalidated since it was read."""
     get_redis().eval(_FILL, 2, cache_key(prefix), changing_key(prefix), marker or "",
-                     json.dumps(entry), settings.API_KEY_CACHE_TTL_S)
+                     *_value(entry))
 
 
-async def afill(prefix: str, entry: dict[str, Any], *, marker: str | None) -> None:
+async def afill(prefix: str, entry: dict[str, Any] | None, *, marker: str | None) -> None:
     """Async ``fill`` for the gateway."""
     await get_aredis().eval(_FILL, 2, cache_key(prefix), changing_key(prefix), marker or "",
-                            json.dumps(entry), settings.API_KEY_CACHE_TTL_S)
+                            *_value(entry))
 
 
 def _bracket(script: str, prefixes: list[str], token: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import re
@@ -14,7 +15,7 @@ import redis
 from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 
-from billing_platform.accounts import keycache
+from billing_platform.accounts import auth_throttle, keycache
 from billing_platform.accounts.choices import (
     ROLE_PERMISSIONS,
     OrgStatus,
@@ -23,6 +24,7 @@ from billing_platform.accounts.choices import (
     role_capped_at_admin,
     scopes_grantable,
 )
+from billing_platform.accounts.metrics import KEY_LOOKUPS
 from billing_platform.accounts.models import ApiKey, Membership, Organization, User, sha256_hex
 from billing_platform.errors import Forbidden, NotFound
 
@@ -80,9 +82,22 @@ class KeyPrincipal:
 
 
 def _load_principal(prefix: str) -> KeyPrincipal | None:
+    KEY_LOOKUPS.labels("database").inc()
     key = (ApiKey.objects.select_related("organization", "project")
            .filter(prefix=prefix).first())
     return KeyPrincipal.from_key(key) if key else None
+
+
+def _from_cache(cached: dict[str, Any]) -> KeyPrincipal | None:
+    if cached is keycache.UNKNOWN:
+        KEY_LOOKUPS.labels("negative_cache").inc()
+        return None
+    KEY_LOOKUPS.labels("cache").inc()
+    return KeyPrincipal.from_json(cached)
+
+
+def _entry(principal: KeyPrincipal | None) -> dict[str, Any] | None:
+    return asdict(principal) if principal is not None else None
 
 
 def _verify(principal: KeyPrincipal | None, secret: str) -> KeyPrincipal | None:
@@ -109,42 +124,62 @@ def api_key_authenticate(raw: str) -> KeyPrincipal | None:
         principal = _load_principal(prefix)
     else:
         if cached is not None:
-            principal = KeyPrincipal.from_json(cached)
+            principal = _from_cache(cached)
         else:
             principal = _load_principal(prefix)
-            if principal is not None:
-                with contextlib.suppress(redis.RedisError):
-                    keycache.fill(prefix, asdict(principal), marker=marker)
+            with contextlib.suppress(redis.RedisError):
+                keycache.fill(prefix, _entry(principal), marker=marker)
     verified = _verify(principal, secret)
     if verified is not None:
         keycache.touch(verified.key_id, time.time())
     return verified
 
 
-async def aapi_key_authenticate(raw: str) -> KeyPrincipal | None:
-    """Async ``api_key_authenticate`` for the gateway (same cache, same rules)."""
-    match = KEY_RE.match(raw.strip())
-    if not match:
-        return None
-    prefix, secret = match["prefix"], match["secret"]
-    load = sync_to_async(_load_principal, thread_sensitive=False)
+async def _aread(prefix: str) -> tuple[dict[str, Any] | None, str | None] | None:
+    """Return the key cache's ``(entry, marker)``; None when the cache cannot be read."""
     try:
-        cached, marker = await keycache.aread(prefix)
+        return await keycache.aread(prefix)
     except redis.RedisError:
-        principal = await load(prefix)
-    else:
-        if cached is not None:
-            principal = KeyPrincipal.from_json(cached)
-        else:
-            principal = await load(prefix)
-            if principal is not None:
+        return None
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
+                                ) -> KeyPrincipal | None:
+    """Async ``api_key_authenticate`` for the gateway (same cache, same rules).
+
+    With ``client_address``, a failure is counted against that address, and once it is
+    throttled (``auth_throttle``) only a key that verifies from the cache gets through:
+    anything that would take a database lookup, or fails, raises ``RateLimited`` instead.
+    The throttle is read beside the cache entry, in the same round trip.
+    """
+    match = KEY_RE.match(raw.strip())
+    prefix, secret = (match["prefix"], match["secret"]) if match else ("", "")
+    read, retry_after = await asyncio.gather(
+        _aread(prefix) if match else _nothing(),
+        auth_throttle.aretry_after(client_address) if client_address else _nothing())
+    verified = None
+    if match:
+        if read is not None and read[0] is not None:
+            verified = _verify(_from_cache(read[0]), secret)
+        elif retry_after is None:  # a throttled address never costs a query
+            principal = await sync_to_async(_load_principal, thread_sensitive=False)(prefix)
+            if read is not None:
                 with contextlib.suppress(redis.RedisError):
-                    await keycache.afill(prefix, asdict(principal), marker=marker)
-    verified = _verify(principal, secret)
+                    await keycache.afill(prefix, _entry(principal), marker=read[1])
+            verified = _verify(principal, secret)
     if verified is not None:
         # Advisory and off the request's path: batched with other uses, written within a second.
         keycache.atouch_soon(verified.key_id, time.time())
-    return verified
+        return verified
+    if retry_after is not None:
+        raise auth_throttle.throttled(retry_after)
+    if client_address:
+        await auth_throttle.afailed(client_address)
+    return None
 
 
 def organizations_for_user(*, user: User) -> QuerySet[Organization]:

@@ -65,7 +65,9 @@ async def _authenticate(request: HttpRequest) -> KeyPrincipal:
         raise GatewayError(401, "You didn't provide an API key. Provide it in the "
                                 "Authorization header as 'Bearer YOUR_KEY'.",
                            code="missing_api_key")
-    principal = await aapi_key_authenticate(header[7:])
+    # failures are counted per client address, and throttled (429) past a limit
+    principal = await aapi_key_authenticate(header[7:],
+                                            client_address=request.META.get("REMOTE_ADDR"))
     if principal is None:
         raise GatewayError(401, "Incorrect, revoked or expired API key provided.",
                            code="invalid_api_key")
