@@ -19,7 +19,11 @@ What the client guarantees, whatever the caller asks for:
   cache (any caller-supplied salt is overwritten);
 - retries happen only before the engine's first byte, on another engine when one exists;
 - leaving the ``async with`` early (client disconnect) closes the engine connection, which
-  aborts the request at the engine, and the result is marked ``client_aborted``.
+  aborts the request at the engine, and the result is marked ``client_aborted``;
+- however a call ends (answered, failed before or in the middle of its body, cancelled), its
+  engine connection slot and the router's in-flight count are given back, once: a
+  non-streaming call that fails inside ``async with``'s entry never reaches ``__aexit__``, so
+  the entry releases them itself.
 """
 
 from __future__ import annotations
@@ -149,6 +153,7 @@ class EngineCall:
         self._first_token_at: float | None = None
         self._concurrency_at_start = 1
         self._finished = False
+        self._closed = False
         self.tried: list[EngineInfo] = []
 
     # -- sending, with retries before the first byte -----------------------------------------
@@ -170,29 +175,31 @@ class EngineCall:
             engine = decision.engine
             self.tried.append(engine)
             self._concurrency_at_start = max(1, router.inflight(engine.engine_id))
+            held = True  # the router counts this request on the engine until it is released
             try:
                 response = await self._send(engine)
-            except (http11.TransportError, EngineTimeout) as exc:
-                router.release(engine.engine_id)
-                failed.append(engine.engine_id)
-                last_error = exc
-                continue
-            if response.status_code in RETRYABLE_STATUS:
-                detail, _param = await _error_detail(response)
-                router.release(engine.engine_id)
-                failed.append(engine.engine_id)
+                if response.status_code < 400:
+                    self._engine, self._response = engine, response
+                    self.result = CallResult(engine=engine, attempts=attempt)
+                    if not self.streaming:
+                        await self._read_body()
+                    held = False  # from here on, ``__aexit__`` releases it
+                    return self
+                detail, param = await _error_detail(response)
+                if response.status_code not in RETRYABLE_STATUS:
+                    raise EngineBadRequest(detail, param=param)
                 last_error = EngineError(f"engine {engine.engine_id} answered "
                                          f"{response.status_code}: {detail}")
-                continue
-            if response.status_code >= 400:
-                detail, param = await _error_detail(response)
-                router.release(engine.engine_id)
-                raise EngineBadRequest(detail, param=param)
-            self._engine, self._response = engine, response
-            self.result = CallResult(engine=engine, attempts=attempt)
-            if not self.streaming:
-                await self._read_body()
-            return self
+            except (http11.TransportError, EngineTimeout) as exc:  # before its first byte
+                last_error = exc
+            finally:
+                # Whatever happened (an engine error, a body cut off, a cancelled request):
+                # the engine's connection slot and in-flight count go back.
+                if held and self._response is not None:
+                    await self._close()
+                elif held:
+                    router.release(engine.engine_id)
+            failed.append(engine.engine_id)
         if isinstance(last_error, EngineTimeout):
             raise last_error
         raise EngineError(f"the engine failed before answering: {last_error}")
@@ -215,7 +222,11 @@ class EngineCall:
             self._fail(f"engine connection failed while answering: {exc!r}")
             raise EngineError("the engine failed while answering") from exc
         self._first_token_at = time.monotonic()
-        self.body = json.loads(raw)
+        try:
+            self.body = json.loads(raw)
+        except ValueError as exc:
+            self._fail(f"the engine answered a body that is not JSON: {raw[:200]!r}")
+            raise EngineError("the engine answered a body that is not JSON") from exc
         self._take_usage(self.body.get("usage"))
         choices = self.body.get("choices") or [{}]
         self._res.finish_reason = choices[0].get("finish_reason")
@@ -313,18 +324,27 @@ class EngineCall:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        if self._response is None or self.result is None or self._engine is None:
+        await self._close()
+
+    async def _close(self) -> None:
+        """Release the engine's connection and in-flight count and account for the call;
+        once, however the call ended."""
+        if (self._closed or self._response is None or self.result is None
+                or self._engine is None):
             return
+        self._closed = True
         result = self.result
         if not self._finished and result.status == "ok":
             # The caller stopped early (client disconnect or cancellation).
             result.status = "client_aborted"
-        if self._finished and self._lines is not None:
-            await self._drain()
-        # Closes the connection unless the body was read to its end: the engine aborts the
-        # request. A finished, fully read response goes back to the pool instead.
-        await self._response.aclose()
-        self.client.router.release(self._engine.engine_id)
+        try:
+            if self._finished and self._lines is not None:
+                await self._drain()
+        finally:
+            # Closes the connection unless the body was read to its end: the engine aborts
+            # the request. A finished, fully read response goes back to the pool instead.
+            await self._response.aclose()
+            self.client.router.release(self._engine.engine_id)
         now = time.monotonic()
         result.total_ms = (now - self._t0) * 1000
         if self._first_token_at is not None:

@@ -336,21 +336,31 @@ class Engine:
             started = time.monotonic()
             pieces = [piece async for piece in self._decode(req, paced=False)]
             rate = self.config.decode_tokens_per_s
-            await self._sleep_until(req, started + len(req.output_ids) / rate)
-            if self.faults.hang:
-                await self._while_hung(req)
-            if req.aborted:  # keep what had been decoded by now, as a paced request would
-                done = int((time.monotonic() - started) * rate)
-                self.private_tokens -= max(0, len(req.output_ids) - done)
-                req._private_tokens -= max(0, len(req.output_ids) - done)
-                del req.output_ids[done:]
-                req.text = "".join(pieces[:done])
-                req.finish_reason = {"type": "abort", "message": "Abort request"}
+            try:
+                await self._sleep_until(req, started + len(req.output_ids) / rate)
+                if self.faults.hang:
+                    await self._while_hung(req)
+            except asyncio.CancelledError:  # the client went away: an abort too
+                self._cut_to_now(req, pieces, started)
+                raise
+            if req.aborted:
+                self._cut_to_now(req, pieces, started)
                 return
             for piece in pieces:
                 yield piece
         finally:
             self._release(req)
+
+    def _cut_to_now(self, req: SimRequest, pieces: list[str], started: float) -> None:
+        """Abort an unpaced request, keeping what a paced one would have decoded by now."""
+        done = int((time.monotonic() - started) * self.config.decode_tokens_per_s)
+        extra = max(0, len(req.output_ids) - done)
+        self.private_tokens -= extra
+        req._private_tokens -= extra
+        del req.output_ids[done:]
+        req.text = "".join(pieces[:done])
+        req.aborted = True
+        req.finish_reason = {"type": "abort", "message": "Abort request"}
 
     def _finish_prefill(self, req: SimRequest) -> None:
         node, _ = self.cache.insert(req.namespace, req.prompt_ids)

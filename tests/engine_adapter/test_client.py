@@ -118,6 +118,62 @@ def test_engine_dying_mid_stream_gives_an_error_and_keeps_delivered_tokens(sim_f
     assert 1 <= len([c for c in got if c["choices"]]) <= 4
 
 
+def test_non_streaming_failure_mid_body_gives_back_the_slot_and_in_flight_count(sim_factory):
+    # given a client with one engine connection, and an engine that drops the connection
+    # half way through its non-streaming answer
+    sim = sim_factory(served_model_name="m1", fail_after_tokens=3, **FAST_RATES)
+    router = Router([_info(sim)])
+    client = EngineClient(router, max_connections=1)
+
+    async def scenario():
+        # when a request fails mid-body
+        with pytest.raises(EngineError, match="failed while answering") as failed:
+            await _chat(client, "m1", "cut me off", max_tokens=8)
+        inflight = router.inflight("e0")
+        # then the next one gets the connection slot at once (a leaked slot would make it
+        # wait the pool's 10 s timeout and fail)
+        await asyncio.to_thread(urllib.request.urlopen, urllib.request.Request(  # noqa: S310
+            f"{sim.base_url}/sim/faults", data=b'{"fail_after_tokens": null}',
+            headers={"Content-Type": "application/json"}), timeout=5)
+        async with asyncio.timeout(5):
+            second, _ = await _chat(client, "m1", "whole answer", max_tokens=4)
+        await client.aclose()
+        return failed.value, inflight, second.result
+
+    error, inflight, second = asyncio.run(scenario())
+    assert inflight == 0 and router.inflight("e0") == 0
+    assert second.status == "ok" and second.completion_tokens == 4
+    assert error.__cause__ is not None
+
+
+def test_cancelled_non_streaming_call_gives_back_the_slot_and_aborts_the_engine(sim_factory):
+    # given a slow engine and a client with one engine connection
+    sim = sim_factory(served_model_name="m1", decode_tokens_per_s=50,
+                      prefill_tokens_per_s=100000)
+    router = Router([_info(sim)])
+    client = EngineClient(router, max_connections=1)
+
+    async def scenario():
+        # when a non-streaming call is cancelled (its client went away) while the engine runs it
+        pending = asyncio.create_task(_chat(client, "m1", "a long answer", max_tokens=500))
+        await asyncio.to_thread(_wait, lambda: _stats(sim)["running"] == 1)
+        held = router.inflight("e0")
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        released = router.inflight("e0")
+        # then the slot is free for the next request at once
+        async with asyncio.timeout(5):
+            second, _ = await _chat(client, "m1", "short", max_tokens=2)
+        await client.aclose()
+        return held, released, second.result
+
+    held, released, second = asyncio.run(scenario())
+    assert (held, released) == (1, 0)
+    assert second.status == "ok"
+    _wait(lambda: _stats(sim)["aborted"] == 1)  # the engine stopped the abandoned request
+
+
 def test_client_disconnect_aborts_the_engine_request(sim_factory):
     sim = sim_factory(served_model_name="m1", max_running_requests=1,
                       decode_tokens_per_s=50, prefill_tokens_per_s=100000)

@@ -9,6 +9,7 @@ aborts, every injected fault and the Prometheus metrics. All over real HTTP to a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -399,6 +400,29 @@ def test_client_disconnect_mid_stream_aborts_and_frees_slot(
     assert time.monotonic() - started < 1.0  # the slot was free, no 10 s wait
 
 
+def test_client_disconnect_before_a_non_streaming_answer_aborts_it(
+    sim_factory: Callable[..., SimProcess],
+) -> None:
+    # given a non-streaming request that would decode for 10 s
+    sim = sim_factory(max_running_requests=1, decode_tokens_per_s=50)
+    body = {"model": sim.model, "prompt": "tell me a long story", "max_tokens": 500}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=sim.base_url, timeout=30) as client:
+            pending = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.to_thread(_wait_for, lambda: _stats(sim)["running"] == 1)
+            pending.cancel()  # when its client goes away
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
+
+    asyncio.run(scenario())
+    # then it counts as aborted, not completed, and its slot is free
+    _wait_for(lambda: _stats(sim)["aborted"] == 1)
+    stats = _stats(sim)
+    assert stats["completed"] == 0 and stats["running"] == 0
+    assert stats["generation_tokens"] < 500
+
+
 def test_abort_request_by_rid_stops_generation(sim_factory: Callable[..., SimProcess]) -> None:
     sim = sim_factory(decode_tokens_per_s=50)
 
@@ -495,8 +519,12 @@ def test_crash_after_kills_the_process_on_nth_request(
 # --- health probes --------------------------------------------------------------------------
 
 
-def test_health_generate_probe_of_an_idle_engine_counts_nowhere(sim: SimProcess) -> None:
-    # given an idle engine
+def test_health_generate_probe_of_an_idle_engine_counts_nowhere(
+    sim_factory: Callable[..., SimProcess],
+) -> None:
+    # given an idle engine that has served one request
+    sim = sim_factory(**FAST)
+    assert httpx.post(f"{sim.base_url}/generate", json={"text": "x"}).status_code == 200
     before = _stats(sim)
     # when it is probed, then it answers 200, and the probe is in no count or metric
     assert httpx.get(f"{sim.base_url}/health_generate", timeout=5).status_code == 200
