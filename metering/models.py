@@ -22,18 +22,25 @@ authenticated principal, the external API's lookups).
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any, Literal, TypeVar, overload
 
 from django.db import models
 from django.db.models.functions import Now
 
 from billing_platform.accounts.models import ApiKey, Organization, Project
+from billing_platform.model_fields import decimal_field_maker
 from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
 from metering.events import MAX_KEY
 
-AMOUNT = {"max_digits": 28, "decimal_places": 10}
+_amount = decimal_field_maker(max_digits=28, decimal_places=10)
+_M = TypeVar("_M", bound=models.Model)
 
 
-def _fk(model: type[models.Model], **kwargs) -> models.ForeignKey:
+@overload
+def _fk(model: type[_M], *, null: Literal[True], blank: bool) -> models.ForeignKey[_M | None]: ...
+@overload
+def _fk(model: type[_M]) -> models.ForeignKey[_M]: ...
+def _fk(model: type[models.Model], **kwargs: Any) -> models.ForeignKey[Any]:
     return models.ForeignKey(
         model, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False,
         related_name="+", **kwargs,
@@ -67,7 +74,7 @@ class UsageEvent(models.Model):
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     total_ms = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=EventStatus.choices, default=EventStatus.OK)
-    cost_to_serve = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    cost_to_serve = _amount(default=Decimal("0"))
     event_time = models.DateTimeField()
     # NULL, not "": the Batch API's batch id, and most events belong to no batch
     batch_id = models.CharField(max_length=128, null=True, blank=True)  # noqa: DJ001
@@ -75,11 +82,11 @@ class UsageEvent(models.Model):
         max_length=16, choices=EventSource.choices, default=EventSource.GATEWAY
     )
     # rating, filled by plans.rating inside the ingest transaction
-    amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    amount = _amount(default=Decimal("0"))
     currency = models.CharField(max_length=3)
     price_version_id = models.BigIntegerField(null=True, blank=True)
     rating_breakdown = models.JSONField(default=dict, help_text="token class -> decimal string")
-    credits_consumed = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    credits_consumed = _amount(default=Decimal("0"))
     normalized_tokens = models.PositiveBigIntegerField(default=0)
     recorded_at = models.DateTimeField(db_default=Now())
 
@@ -136,14 +143,14 @@ class UsageRollupHourly(models.Model):
     cached_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
     normalized_tokens = models.PositiveBigIntegerField(default=0)
-    amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    amount = _amount(default=Decimal("0"))
     # ``amount`` split by token class (sums of the events' ``rating_breakdown``), so invoices
     # can show a line per token class with its quantity and unit price.
-    input_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
-    cached_input_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
-    output_amount = models.DecimalField(**AMOUNT, default=Decimal("0"))
-    credits_consumed = models.DecimalField(**AMOUNT, default=Decimal("0"))
-    cost_to_serve = models.DecimalField(**AMOUNT, default=Decimal("0"))
+    input_amount = _amount(default=Decimal("0"))
+    cached_input_amount = _amount(default=Decimal("0"))
+    output_amount = _amount(default=Decimal("0"))
+    credits_consumed = _amount(default=Decimal("0"))
+    cost_to_serve = _amount(default=Decimal("0"))
 
     class Meta:
         db_table = "usage_rollup_hourly"

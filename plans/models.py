@@ -20,7 +20,9 @@ declarations and docstrings, with no behaviour beyond properties.
 
 from __future__ import annotations
 
+from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
@@ -29,6 +31,7 @@ from django.utils import timezone
 
 from billing_platform.accounts.choices import DataZone
 from billing_platform.accounts.models import Organization, User, public_id
+from billing_platform.model_fields import decimal_field_maker
 from plans.choices import (
     ANY_MODEL,
     DEFAULT_CACHED_INPUT_FRACTION,
@@ -42,21 +45,10 @@ from plans.choices import (
     TokenClass,
 )
 
-
-def _price_field(**kwargs) -> models.DecimalField:
-    return models.DecimalField(max_digits=24, decimal_places=10, **kwargs)
-
-
-def _money_field(**kwargs) -> models.DecimalField:
-    return models.DecimalField(max_digits=30, decimal_places=10, **kwargs)
-
-
-def _factor_field(**kwargs) -> models.DecimalField:
-    return models.DecimalField(max_digits=14, decimal_places=6, **kwargs)
-
-
-def _credits_field(**kwargs) -> models.DecimalField:
-    return models.DecimalField(max_digits=30, decimal_places=6, **kwargs)
+_price_field = decimal_field_maker(max_digits=24, decimal_places=10)
+_money_field = decimal_field_maker(max_digits=30, decimal_places=10)
+_factor_field = decimal_field_maker(max_digits=14, decimal_places=6)
+_credits_field = decimal_field_maker(max_digits=30, decimal_places=6)
 
 
 ZERO = Decimal("0")
@@ -329,12 +321,12 @@ class Subscription(models.Model):
     def __str__(self) -> str:
         return f"{self.organization} on {self.plan}"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("sub")
         super().save(*args, **kwargs)
 
-    def covers(self, at) -> bool:
+    def covers(self, at: datetime) -> bool:
         return self.starts_at <= at and (self.ends_at is None or at < self.ends_at)
 
 
@@ -364,7 +356,7 @@ class CreditPackPurchase(models.Model):
     def __str__(self) -> str:
         return f"{self.credits_used}/{self.credits} credits ({self.subscription})"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("cpk")
         super().save(*args, **kwargs)
@@ -506,7 +498,7 @@ class Reservation(models.Model):
     def __str__(self) -> str:
         return f"{self.units} x {self.model} in {self.region} ({self.organization})"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("rsv")
         super().save(*args, **kwargs)
@@ -519,7 +511,7 @@ class Reservation(models.Model):
     def fee(self) -> Decimal:
         return self.units * self.unit_price * self.term_count
 
-    def covers(self, at) -> bool:
+    def covers(self, at: datetime) -> bool:
         return self.starts_at <= at < self.ends_at
 
 
@@ -558,7 +550,7 @@ class CreditGrant(models.Model):
     def __str__(self) -> str:
         return f"{self.kind} {self.remaining}/{self.amount} {self.currency}"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("cg")
         super().save(*args, **kwargs)
@@ -667,7 +659,7 @@ class Budget(models.Model):
     def __str__(self) -> str:
         return f"budget {self.amount} {self.currency} ({'hard' if self.hard else 'soft'})"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("bud")
         super().save(*args, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from decimal import Decimal
+from typing import Any, ClassVar
 
 from django.contrib.auth.models import AbstractUser, BaseUserManager
 from django.contrib.postgres.fields import ArrayField
@@ -32,13 +33,13 @@ def public_id(prefix: str) -> str:
 class UserManager(BaseUserManager["User"]):
     use_in_migrations = True
 
-    def create_user(self, email: str, password: str | None = None, **extra) -> User:
+    def create_user(self, email: str, password: str | None = None, **extra: Any) -> User:
         user = self.model(email=self.normalize_email(email).lower(), **extra)
         user.set_password(password)
         user.save(using=self._db)
         return user
 
-    def create_superuser(self, email: str, password: str | None = None, **extra) -> User:
+    def create_superuser(self, email: str, password: str | None = None, **extra: Any) -> User:
         extra.setdefault("is_staff", True)
         extra.setdefault("is_superuser", True)
         return self.create_user(email, password, **extra)
@@ -51,9 +52,10 @@ class User(AbstractUser):
     email = models.EmailField("email address", unique=True)
 
     USERNAME_FIELD = "email"
-    REQUIRED_FIELDS: list[str] = []
+    REQUIRED_FIELDS: ClassVar[list[str]] = []
 
-    objects = UserManager()  # type: ignore[misc]
+    # ours is email-based, not a subclass of the username-based manager AbstractUser declares
+    objects = UserManager()  # type: ignore[misc, assignment]
 
     def __str__(self) -> str:
         return self.email
@@ -86,7 +88,7 @@ class Organization(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("org")
         super().save(*args, **kwargs)
@@ -145,7 +147,7 @@ class Project(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("proj")
         super().save(*args, **kwargs)
@@ -179,7 +181,7 @@ class ApiKey(models.Model):
     def __str__(self) -> str:
         return f"{self.name} (tg-{self.prefix}_…)"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("key")
         super().save(*args, **kwargs)

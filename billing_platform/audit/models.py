@@ -8,6 +8,8 @@ user or key leaves its history in place, and ``actor_label`` keeps who acted in 
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.utils import timezone
@@ -44,12 +46,12 @@ class AuditEvent(models.Model):
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_label} {self.action} {self.target}"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self._state.adding:
             raise TypeError("Audit rows are append-only; write a new row instead.")
         super().save(*args, **kwargs)
 
-    def delete(self, *args, **kwargs):
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("Audit rows are append-only and cannot be deleted.")
 
     @property

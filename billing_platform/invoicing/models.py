@@ -18,6 +18,7 @@ billed for it; the next invoice bills the difference as "late usage from <period
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 from django.db import models
 from django.db.models import Q
@@ -25,18 +26,15 @@ from django.utils import timezone
 
 from billing_platform.accounts.models import Organization, public_id
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
+from billing_platform.model_fields import decimal_field_maker
 from plans.choices import TokenClass
 
 ZERO = Decimal("0")
 
 
-def _precise(**kwargs) -> models.DecimalField:
-    return models.DecimalField(max_digits=30, decimal_places=10, **kwargs)
-
-
-def _money(**kwargs) -> models.DecimalField:
-    # 4 places hold every ISO minor unit (0, 2 or 3); values are always quantize_money'd.
-    return models.DecimalField(max_digits=24, decimal_places=4, **kwargs)
+_precise = decimal_field_maker(max_digits=30, decimal_places=10)
+# 4 places hold every ISO minor unit (0, 2 or 3); values are always quantize_money'd.
+_money = decimal_field_maker(max_digits=24, decimal_places=4)
 
 
 class InvoiceSequence(models.Model):
@@ -116,7 +114,7 @@ class Invoice(models.Model):
     def __str__(self) -> str:
         return self.number or f"draft {self.public_id}"
 
-    def save(self, *args, **kwargs) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.public_id:
             self.public_id = public_id("in" if self.kind == InvoiceKind.INVOICE else "cn")
         super().save(*args, **kwargs)
