@@ -1,10 +1,18 @@
-"""Read-only admin views of usage: events are financial records, never edited by hand."""
+"""Read-only admin views of usage: events are financial records, never edited by hand. Dead
+letters have one action, a retry (the same service as the staff API's)."""
 
 from __future__ import annotations
 
-from django.contrib import admin
+from collections import Counter
 
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from metering import services
 from metering.models import UsageDeadLetter, UsageEvent, UsageIdConflict, UsageRollupHourly
+from metering.recording import TRANSIENT
+from metering.serializers import MAX_RETRY_IDS
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -37,8 +45,34 @@ class UsageRollupHourlyAdmin(ReadOnlyAdmin):
 
 @admin.register(UsageDeadLetter)
 class UsageDeadLetterAdmin(ReadOnlyAdmin):
+    """Letters are kept as they came; the one thing staff do to them is retry them."""
+
     list_display = ["id", "origin", "error", "created_at", "resolved_at"]
-    list_filter = ["origin"]
+    list_filter = [("resolved_at", admin.EmptyFieldListFilter), "origin"]
+    actions = ["retry_selected"]
+
+    @admin.action(description="Retry the selected dead letters (safe to repeat; audited)")
+    def retry_selected(self, request: HttpRequest, queryset: QuerySet[UsageDeadLetter]) -> None:
+        ids = list(queryset.order_by("id").values_list("pk", flat=True)[:MAX_RETRY_IDS + 1])
+        if len(ids) > MAX_RETRY_IDS:
+            self.message_user(request, f"Select at most {MAX_RETRY_IDS} letters at once.",
+                              messages.ERROR)
+            return
+        try:
+            results = services.usage_dead_letters_retry(letter_ids=ids,
+                                                        acting_user=request.user)
+        except TRANSIENT as exc:
+            self.message_user(request, f"PostgreSQL refused the retry ({type(exc).__name__}); "
+                                       "try again.", messages.ERROR)
+            return
+        counts = Counter(r.outcome for r in results)
+        summary = ", ".join(f"{n} {outcome.replace('_', ' ')}" for outcome, n in
+                            sorted(counts.items()))
+        failed = [r for r in results if r.outcome == "failed"]
+        self.message_user(request, f"Retried {len(results)}: {summary}."
+                          + (f" Still failing, e.g. #{failed[0].letter_id}: {failed[0].error}"
+                             if failed else ""),
+                          messages.WARNING if failed else messages.SUCCESS)
 
 
 @admin.register(UsageIdConflict)

@@ -148,12 +148,11 @@ class MeteringCollector:
 
     @staticmethod
     def _dead_letters() -> Iterator[Metric]:
-        from metering.models import UsageDeadLetter
+        from metering.selectors import usage_dead_letters_unresolved_count
 
         with transaction.atomic(), connection.cursor() as cur:
             cur.execute("SET LOCAL statement_timeout = 2000")
-            count = (UsageDeadLetter.objects.filter(resolved_at__isnull=True)
-                     [:DEAD_LETTER_COUNT_CAP].count())
+            count = usage_dead_letters_unresolved_count(cap=DEAD_LETTER_COUNT_CAP)
         yield _gauge("tollgate_usage_dead_letters",
                      f"Unresolved dead-lettered usage events (counted up to "
                      f"{DEAD_LETTER_COUNT_CAP}).", count)

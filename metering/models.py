@@ -192,8 +192,9 @@ class UsageLateHour(models.Model):
 class UsageDeadLetter(models.Model):
     """An event that could not be recorded (unreadable, or rating refused it), kept verbatim.
 
-    ``usage_deadletter_retry`` feeds them back through the normal record path once the cause
-    is fixed; the request id makes that safe to repeat.
+    Staff retry them (``metering.services.usage_dead_letter_retry``: the API, the admin action)
+    once the cause is fixed; they go back through the normal record path, and the request id
+    makes that safe to repeat. ``resolved_at`` is set once the event is recorded.
     """
 
     payload = models.TextField(help_text="The event as it was appended (JSON).")
@@ -204,6 +205,10 @@ class UsageDeadLetter(models.Model):
 
     class Meta:
         db_table = "usage_deadletter"
+        # the letters waiting for a retry: what /metrics counts and staff list, newest first;
+        # resolved ones pile up and are never in it
+        indexes = [models.Index(fields=["-id"], condition=models.Q(resolved_at__isnull=True),
+                                name="usage_deadletter_unresolved")]
 
     def __str__(self) -> str:
         return f"dead letter {self.pk} ({self.origin})"

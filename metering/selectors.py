@@ -1,4 +1,5 @@
-"""Reads of the metering app: usage summaries from the hourly rollups, events by request id."""
+"""Reads of the metering app: usage summaries from the hourly rollups, events by request id,
+dead letters."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from django.db import connection
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDay
 
-from metering.models import UsageEvent, UsageEventId, UsageRollupHourly
+from metering.events import WIRE_VERSION
+from metering.models import UsageDeadLetter, UsageEvent, UsageEventId, UsageRollupHourly
 
 # group_by name -> rollup expression, and how it is shown
 GROUPS = {
@@ -308,3 +310,50 @@ def usage_events_outside_regions(*, zone_regions: Mapping[str, set[str]], limit:
         out += [{**r, "data_zone": zone, "event_time": r["event_time"].isoformat()}
                 for r in rows]
     return out
+
+
+# --- Dead letters (staff: list, then retry through ``metering.services``) --------------------
+
+@dataclass(frozen=True)
+class DeadLetterFilter:
+    """Which dead letters to list: unresolved (the default), resolved, or all (``None``)."""
+
+    resolved: bool | None = False
+    origin: str | None = None
+    organization_id: int | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    before_id: int | None = None  # page cursors: letters older (newer) than this one
+    after_id: int | None = None
+    oldest_first: bool = False
+
+
+def usage_dead_letters(*, letter_filter: DeadLetterFilter) -> QuerySet[UsageDeadLetter]:
+    """Return the dead letters that match, newest first (or oldest first).
+
+    Unresolved letters are read through the partial index on them
+    (``usage_deadletter_unresolved``). An organization is matched on the payload's prefix: a
+    readable payload is ``row_wire``'s JSON array, version then organization id first.
+    """
+    f = letter_filter
+    qs = UsageDeadLetter.objects.all()
+    if f.resolved is not None:
+        qs = qs.filter(resolved_at__isnull=not f.resolved)
+    if f.origin:
+        qs = qs.filter(origin=f.origin)
+    if f.organization_id is not None:
+        qs = qs.filter(payload__startswith=f"[{WIRE_VERSION},{f.organization_id},")
+    if f.created_after is not None:
+        qs = qs.filter(created_at__gte=f.created_after)
+    if f.created_before is not None:
+        qs = qs.filter(created_at__lt=f.created_before)
+    if f.before_id is not None:
+        qs = qs.filter(id__lt=f.before_id)
+    if f.after_id is not None:
+        qs = qs.filter(id__gt=f.after_id)
+    return qs.order_by("id" if f.oldest_first else "-id")
+
+
+def usage_dead_letters_unresolved_count(*, cap: int) -> int:
+    """Return how many dead letters wait for a retry, counted up to ``cap``."""
+    return UsageDeadLetter.objects.filter(resolved_at__isnull=True)[:cap].count()

@@ -133,3 +133,87 @@ class UsageSummarySerializer(serializers.Serializer):
     group_by = serializers.ListField(child=serializers.CharField())
     data = UsageBucketSerializer(many=True)
     totals = UsageBucketSerializer(many=True, help_text="One entry per currency.")
+
+
+# --- dead letters (staff) --------------------------------------------------------------------
+
+MAX_RETRY_IDS = 1000  # letters per bulk retry: each is recorded on its own, in turn
+DEAD_LETTER_STATUSES = ("unresolved", "resolved", "all")
+
+
+class DeadLetterQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=DEAD_LETTER_STATUSES, default="unresolved",
+                                     help_text="unresolved (waiting for a retry), resolved, all.")
+    origin = serializers.CharField(required=False, max_length=32,
+                                   help_text="Where it was dead-lettered: stream, spool, api, "
+                                             "fallback.")
+    organization = serializers.CharField(required=False, max_length=40,
+                                         help_text="Organization id (org_...).")
+    created_after = serializers.DateTimeField(required=False, help_text="Inclusive.")
+    created_before = serializers.DateTimeField(required=False, help_text="Exclusive.")
+    limit = serializers.IntegerField(min_value=1, max_value=100, default=50)
+    after = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1,
+                                     help_text="The last id of the previous page.")
+
+
+class DeadLetterSerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage.dead_letter")
+    id = serializers.IntegerField()
+    origin = serializers.CharField()
+    error = serializers.CharField()
+    payload = serializers.CharField(help_text="The event as it was appended (JSON).")
+    organization = serializers.CharField(allow_null=True, help_text="Read from the payload "
+                                         "(null when it is not readable).")
+    request_id = serializers.CharField(allow_null=True)
+    created_at = serializers.DateTimeField()
+    resolved_at = serializers.DateTimeField(allow_null=True)
+
+
+class DeadLetterPageSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = DeadLetterSerializer(many=True)
+    has_more = serializers.BooleanField()
+    last_id = serializers.IntegerField(allow_null=True, help_text="Pass as `after` for the "
+                                       "next page.")
+
+
+class DeadLetterRetrySerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage.dead_letter_retry")
+    id = serializers.IntegerField(source="letter_id")
+    outcome = serializers.ChoiceField(
+        choices=["recorded", "duplicate", "already_resolved", "failed"],
+        help_text="recorded: the event is in now; duplicate: it was in already (nothing "
+                  "changed); already_resolved: the letter was retried before; failed: refused "
+                  "again (see error), still unresolved.")
+    request_id = serializers.CharField(allow_null=True)
+    error = serializers.CharField(allow_blank=True)
+
+
+class DeadLetterBulkRetryRequestSerializer(serializers.Serializer):
+    ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=2**63 - 1), required=False,
+        min_length=1, max_length=MAX_RETRY_IDS, help_text="The letters to retry.")
+    all_unresolved = serializers.BooleanField(
+        default=False, help_text=f"Instead of ids: the oldest {MAX_RETRY_IDS} unresolved "
+                                 "letters after `after`, narrowed by origin and organization; "
+                                 "has_more says whether more follow last_id.")
+    origin = serializers.CharField(required=False, max_length=32)
+    organization = serializers.CharField(required=False, max_length=40)
+    after = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1,
+                                     help_text="The last_id of the previous call.")
+
+    def validate(self, attrs: dict) -> dict:
+        if bool(attrs.get("ids")) == attrs["all_unresolved"]:
+            raise serializers.ValidationError("Give either ids or all_unresolved: true.")
+        if attrs.get("ids") and attrs.keys() & {"origin", "organization", "after"}:
+            raise serializers.ValidationError("origin, organization and after go with "
+                                              "all_unresolved only.")
+        return attrs
+
+
+class DeadLetterBulkRetrySerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = DeadLetterRetrySerializer(many=True)
+    has_more = serializers.BooleanField()
+    last_id = serializers.IntegerField(allow_null=True, help_text="With all_unresolved: pass "
+                                       "as `after` to go on.")

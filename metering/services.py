@@ -1,4 +1,5 @@
-"""Writes of the metering app: append a usage event durably, record batches, replay the spool.
+"""Writes of the metering app: append a usage event durably, record batches, replay the spool,
+retry dead letters (staff, audited).
 
 ``usage_event_append`` is what the gateway calls before a response ends. It tries, in order:
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 import redis
@@ -25,7 +28,8 @@ from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from billing_platform.errors import DomainError, InvalidRequest
+from billing_platform.audit.services import audit_record
+from billing_platform.errors import DomainError, InvalidRequest, NotFound
 from metering import conf, events, partitions, recording, spool, stream
 from metering.events import UsageEventData
 from metering.metrics import APPENDS, ID_CONFLICTS, STREAM_FULL
@@ -254,25 +258,89 @@ def usage_partitions_ensure(*, months_ahead: int = 2) -> list[str]:
     return partitions.ensure_ahead(months_ahead=months_ahead)
 
 
-def usage_deadletter_retry(*, limit: int = 10_000) -> RecordResult:
-    """Record dead-lettered events again (after the cause was fixed); resolve those that went in.
+DeadLetterOutcome = Literal["recorded", "duplicate", "already_resolved", "failed"]
 
-    A letter that fails again stays unresolved with the new error.
+
+@dataclass(frozen=True)
+class DeadLetterRetry:
+    """What one retry of a dead letter did."""
+
+    letter_id: int
+    outcome: DeadLetterOutcome
+    request_id: str | None  # None: the payload is not readable
+    error: str = ""  # why it failed again
+
+
+def usage_dead_letter_retry(*, letter_id: int, acting_user: Any) -> DeadLetterRetry:
+    """Record one dead-lettered event again (after its cause was fixed); resolve it if it is in.
+
+    Safe to repeat and to run concurrently: the event goes through the normal record path,
+    whose exactly-once key (organization, request id) makes a second recording of it a
+    ``duplicate`` that changes nothing; a resolved letter is left alone
+    (``already_resolved``). A letter the rater or the data refuses again stays unresolved with
+    the new error (``failed``). Each retry writes one audit row, in the transaction that
+    resolves the letter (the recording is metering's own transaction, before it: a retry cut
+    off between the two is resolved by the next one, as a duplicate). Raises ``NotFound`` for
+    an unknown letter, and the record path's transient errors (PostgreSQL away) as they come.
     """
-    result = RecordResult()
-    for letter in UsageDeadLetter.objects.filter(resolved_at__isnull=True).order_by("id")[:limit]:
+    letter = (UsageDeadLetter.objects.filter(pk=letter_id).first()
+              if 0 < letter_id < 2**63 else None)  # a forged id past bigint is unknown too
+    if letter is None:
+        raise NotFound("No such dead letter.")
+    request_id, org_id, error = None, None, ""
+    outcome: DeadLetterOutcome = "already_resolved"
+    if letter.resolved_at is None:
         try:
             data = events.decode(letter.payload)
-            result.merge(recording.record_events([data], origin="retry", isolate=False))
+            request_id, org_id = data.request_id, data.org_id
+            result = recording.record_events([data], origin="retry", isolate=False)
         except recording.TRANSIENT:
             raise
         except Exception as exc:  # the rater or the data refused it again: keep the letter
-            letter.error = f"{type(exc).__name__}: {exc}"
-            letter.save(update_fields=["error"])
+            outcome, error = "failed", f"{type(exc).__name__}: {exc}"
         else:
+            outcome = "recorded" if result.recorded else "duplicate"
+    elif (row := _readable_row(letter.payload)) is not None:
+        request_id, org_id = row[events.I_REQUEST], row[events.I_ORG]
+    with transaction.atomic():
+        letter = UsageDeadLetter.objects.select_for_update().get(pk=letter_id)
+        before = {"error": letter.error, "resolved_at": _iso(letter.resolved_at)}
+        if outcome == "failed":
+            letter.error = error
+            letter.save(update_fields=["error"])
+        elif letter.resolved_at is None:  # recorded or duplicate (or resolved meanwhile)
             letter.resolved_at = timezone.now()
             letter.save(update_fields=["resolved_at"])
-    return result
+        audit_record(acting_user=acting_user, organization=org_id,
+                     action="usage.dead_letter_retry", target=f"dead_letter:{letter_id}",
+                     before=before, after={"outcome": outcome, "request_id": request_id,
+                                           "origin": letter.origin, "error": error,
+                                           "resolved_at": _iso(letter.resolved_at)})
+    return DeadLetterRetry(letter_id, outcome, request_id, error)
+
+
+def usage_dead_letters_retry(*, letter_ids: Iterable[int], acting_user: Any
+                             ) -> list[DeadLetterRetry]:
+    """Retry each of ``letter_ids`` in turn (``usage_dead_letter_retry``); unknown ids are
+    skipped. One letter's failure does not stop the rest."""
+    out = []
+    for letter_id in letter_ids:
+        try:
+            out.append(usage_dead_letter_retry(letter_id=letter_id, acting_user=acting_user))
+        except NotFound:
+            continue
+    return out
+
+
+def _readable_row(payload: str) -> events.Row | None:
+    try:
+        return events.decode_row(payload)
+    except InvalidRequest:
+        return None
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
 
 
 def connection_usable() -> bool:

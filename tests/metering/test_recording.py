@@ -194,7 +194,7 @@ def test_an_unpriced_event_is_dead_lettered_and_the_rest_recorded(tenant):
     from tests.factories import make_price_book
 
     make_price_book(prices=[{"model": "nobody-prices-me", "input": "1", "output": "1"}])
-    services.usage_deadletter_retry()
+    services.usage_dead_letter_retry(letter_id=letter.id, acting_user=None)
 
     assert UsageEvent.objects.filter(request_id="req-unpriced").count() == 1
     assert UsageDeadLetter.objects.get().resolved_at is not None
