@@ -1,6 +1,8 @@
 """Admin: invoices read-only (finalized ones never change), payments and webhook events."""
 
 from django.contrib import admin
+from django.db.models import Model
+from django.http import HttpRequest
 
 from billing_platform.invoicing.models import (
     BillingAccount,
@@ -12,13 +14,13 @@ from billing_platform.invoicing.models import (
 
 
 class ReadOnly(admin.ModelAdmin):
-    def has_add_permission(self, request, obj=None) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request, obj=None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
 
@@ -30,7 +32,7 @@ class LineInline(admin.TabularInline):
                        "amount_precise", "amount")
     fields = readonly_fields
 
-    def has_add_permission(self, request, obj=None) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
 

@@ -6,9 +6,9 @@ the ``admin`` scope). Another organization's invoice is a 404.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-from django.http import Http404, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, serializers
@@ -17,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing_platform.accounts.apis import OrgScopedView
+from billing_platform.accounts.models import User
 from billing_platform.accounts.selectors import org_access, organizations_for_user
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import rendering, selectors, services
@@ -25,7 +26,7 @@ from billing_platform.invoicing.metrics import stripe_webhook_counted
 from billing_platform.invoicing.models import Invoice
 
 
-class LineSerializer(serializers.Serializer):
+class LineSerializer(serializers.Serializer[Any]):
     kind = serializers.CharField()
     description = serializers.CharField()
     model = serializers.CharField()
@@ -43,7 +44,7 @@ class LineSerializer(serializers.Serializer):
     details = serializers.JSONField()
 
 
-class InvoiceSerializer(serializers.Serializer):
+class InvoiceSerializer(serializers.Serializer[Any]):
     id = serializers.CharField(source="public_id")
     object = serializers.SerializerMethodField()
     number = serializers.CharField(allow_null=True)
@@ -137,7 +138,8 @@ class UpcomingInvoiceApi(APIView):
                                 org_public_id=org_param or principal.org_public_id)
         else:
             if not org_param:
-                orgs = list(organizations_for_user(user=request.user)[:2])
+                # IsAuthenticated (the default permission) let only a signed-in user here
+                orgs = list(organizations_for_user(user=cast(User, request.user))[:2])
                 if len(orgs) != 1:
                     raise InvalidRequest("organization is required.", param="organization")
                 org_param = orgs[0].public_id
@@ -150,7 +152,7 @@ class UpcomingInvoiceApi(APIView):
 
 
 @csrf_exempt
-def stripe_webhook(request) -> HttpResponse:
+def stripe_webhook(request: HttpRequest) -> HttpResponse:
     """Receive a Stripe webhook: signature verified, then stored and applied once."""
     if request.method != "POST":
         return HttpResponse(status=405)

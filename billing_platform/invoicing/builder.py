@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any, TypeAlias
 
 from django.conf import settings
 from django.db import connection
@@ -76,7 +77,7 @@ class DraftLine:
     token_class: str = ""
     source_period_start: datetime | None = None
     source_period_end: datetime | None = None
-    details: dict = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -141,7 +142,7 @@ class DraftInvoice:
     def total(self) -> Decimal:
         return sum((ln.amount for ln in self.lines), ZERO)
 
-    def add(self, kind: str, description: str, precise: Decimal, **extra) -> DraftLine:
+    def add(self, kind: str, description: str, precise: Decimal, **extra: Any) -> DraftLine:
         """Append a line: the exact amount and that amount rounded once."""
         line = DraftLine(kind=kind, description=description,
                          amount_precise=precise.quantize(PRECISE, context=EXACT),
@@ -161,7 +162,8 @@ class DraftInvoice:
             self.add(LineKind.CREDIT, "Credits applied", -applied)
 
 
-def _usage_lines(draft: DraftInvoice, u: UsageSum, *, late_from: tuple | None = None) -> None:
+def _usage_lines(draft: DraftInvoice, u: UsageSum, *,
+                 late_from: tuple[datetime, datetime] | None = None) -> None:
     """Append one line per token class of ``u`` (model x tier x region x capacity source).
 
     The unit price is the effective price per 1M tokens (amount / tokens): the price book's
@@ -218,7 +220,11 @@ SELECT organization_id, source_period_start, model, region, service_tier, capaci
 """  # noqa: S608
 
 
-def _with_amount(u: PeriodUsage) -> list:
+# a period's sums in the ledger's order: amount, then *_SUMS (Decimal amounts, int counts)
+_Sums: TypeAlias = list[Any]
+
+
+def _with_amount(u: PeriodUsage) -> _Sums:
     """Return a period's sums in the ledger's order: amount (the class amounts' sum), *_SUMS."""
     return [u.input_amount + u.cached_input_amount + u.output_amount, u.requests,
             u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.input_amount,
@@ -226,7 +232,7 @@ def _with_amount(u: PeriodUsage) -> list:
 
 
 def _usage_sum(period_start: datetime, model: str, region: str, tier: str, source: str,
-               sums: list) -> UsageSum:
+               sums: _Sums) -> UsageSum:
     """``sums``: amount, requests, prompt, cached, completion tokens, class amounts."""
     amount, req, prompt, cached, completion, in_amount, cached_amount, out_amount = sums
     return UsageSum(period_start, model, region, tier, source, amount, int(req), int(prompt),
@@ -264,10 +270,12 @@ def _late_periods(targets: list[Target], lookback: timedelta
     late within it (an hour that the period's start cuts counts for that period too).
     """
     late = usage_late_hours(since={t.org_id: t.period_start - lookback for t in targets})
+    # (psycopg adapts a timedelta to an interval; Django's cursor stub does not list it)
+    params: list[Any] = [
+        lookback, [t.org_id for t in targets], [t.period_start for t in targets],
+        [late[t.org_id][0] if t.org_id in late else None for t in targets], lookback]
     with connection.cursor() as cur:
-        cur.execute(_FINALIZED_SQL, [
-            lookback, [t.org_id for t in targets], [t.period_start for t in targets],
-            [late[t.org_id][0] if t.org_id in late else None for t in targets], lookback])
+        cur.execute(_FINALIZED_SQL, params)
         rows = cur.fetchall()
     out = []
     for org, ps, pe, currency, recent in rows:
@@ -293,7 +301,7 @@ def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
     if not periods:
         return {}
     currency = {(org, ps): cur for org, ps, _, cur in periods}
-    seen: dict[tuple, tuple[datetime, list]] = {}
+    seen: dict[tuple[Any, ...], tuple[datetime, _Sums]] = {}
     for u in usage_sums_for_periods(periods=[(org, ps, pe) for org, ps, pe, _ in periods]):
         if u.currency == currency[(u.org_id, u.period_start)]:
             seen[(u.org_id, u.period_start, u.model, u.region, u.service_tier,

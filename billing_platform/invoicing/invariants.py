@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
@@ -156,7 +157,7 @@ class BillingInvariantCollector:
         return self._families(state)
 
     @staticmethod
-    def _families(state: dict) -> list[GaugeMetricFamily]:
+    def _families(state: dict[str, Any]) -> list[GaugeMetricFamily]:
         orgs = GaugeMetricFamily(
             "tollgate_billing_invariant_orgs",
             "Organizations whose rated usage differs from what their invoices and draft bill, "

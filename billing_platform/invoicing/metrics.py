@@ -31,8 +31,8 @@ REQUEST_OUTCOMES = ("ok", "card_declined", "connection_error", "rate_limited", "
                     "error")
 WEBHOOK_OUTCOMES = ("processed", "duplicate", "ignored", "needs_review", "refused", "error")
 # Known label values start at 0, so an alert on increase() sees the first event too.
-for _outcome in WEBHOOK_OUTCOMES:
-    STRIPE_WEBHOOKS.labels(_outcome)
+for _known in WEBHOOK_OUTCOMES:
+    STRIPE_WEBHOOKS.labels(_known)
 
 
 def _outcome(exc: Exception) -> str:

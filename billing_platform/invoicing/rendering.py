@@ -16,9 +16,9 @@ from django.template.loader import render_to_string
 
 from billing_platform.accounts.models import Organization
 from billing_platform.csv_export import csv_writer
-from billing_platform.invoicing.builder import DraftInvoice
+from billing_platform.invoicing.builder import DraftInvoice, DraftLine
 from billing_platform.invoicing.choices import InvoiceKind
-from billing_platform.invoicing.models import Invoice
+from billing_platform.invoicing.models import Invoice, InvoiceLine
 from billing_platform.invoicing.money import minor_units
 from billing_platform.invoicing.selectors import invoice_csv_rows
 
@@ -55,29 +55,36 @@ def document_of(invoice: Invoice | DraftInvoice, organization: Organization) -> 
     """Return the template's view of an invoice or of the upcoming draft."""
     currency = invoice.currency
     places = minor_units(currency)
-    stored = isinstance(invoice, Invoice)
-    lines = list(invoice.lines.all()) if stored else invoice.lines
+    lines: list[InvoiceLine | DraftLine]
+    if isinstance(invoice, Invoice):
+        lines = list(invoice.lines.all())
+        title = "Credit note" if invoice.kind == InvoiceKind.CREDIT_NOTE else "Invoice"
+        number, status = invoice.number or "", invoice.status
+        period_start, period_end = invoice.period_start, invoice.period_end
+        finalized_at, due_at = invoice.finalized_at, invoice.due_at
+        amount_due = invoice.amount_due
+    else:
+        lines = list(invoice.lines)
+        title, number, status = "Upcoming invoice", "(draft)", "draft"
+        period_start, period_end = invoice.target.period_start, invoice.target.period_end
+        finalized_at = due_at = None
+        amount_due = invoice.total
     rows = [{
         "description": ln.description, "unit": ln.unit, "details": ln.details or {},
         "quantity_text": f"{ln.quantity.normalize():,f}" if ln.quantity else "",
         "unit_price_text": "" if ln.unit_price is None else f"{ln.unit_price.normalize():f}",
         "amount_text": _fmt(ln.amount, places),
     } for ln in lines]
-    title = "Credit note" if stored and invoice.kind == InvoiceKind.CREDIT_NOTE else "Invoice"
     total = invoice.total
     return InvoiceDocument(
-        title=title if stored else "Upcoming invoice",
-        number=(invoice.number or "") if stored else "(draft)",
-        status=invoice.status if stored else "draft",
+        title=title, number=number, status=status,
         org_name=organization.name, billing_email=organization.billing_email,
         currency=currency,
-        period_start=invoice.period_start if stored else invoice.target.period_start,
-        period_end=invoice.period_end if stored else invoice.target.period_end,
-        finalized_at=invoice.finalized_at if stored else None,
-        due_at=invoice.due_at if stored else None, lines=rows,
+        period_start=period_start, period_end=period_end, finalized_at=finalized_at,
+        due_at=due_at, lines=rows,
         subtotal=_fmt(invoice.subtotal, places), tax=_fmt(invoice.tax, places),
         credits_applied=_fmt(invoice.credits_applied, places), total=_fmt(total, places),
-        amount_due=_fmt(invoice.amount_due if stored else total, places),
+        amount_due=_fmt(amount_due, places),
     )
 
 

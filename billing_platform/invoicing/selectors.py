@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
-from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
+from billing_platform.invoicing.builder import DraftInvoice, DraftLine, Target, build_drafts
 from billing_platform.invoicing.choices import InvoiceKind
-from billing_platform.invoicing.models import Invoice
+from billing_platform.invoicing.models import Invoice, InvoiceLine
 from billing_platform.invoicing.money import ZERO
 from plans.models import CreditGrant, Subscription
 from plans.periods import period_bounds
@@ -42,7 +43,7 @@ def _next_period(subs: list[Subscription], start: datetime) -> tuple[datetime, d
     return start, end
 
 
-def _targets(orgs: Iterable[tuple], *, now: datetime, due_only: bool) -> list[Target]:
+def _targets(orgs: Iterable[tuple[Any, ...]], *, now: datetime, due_only: bool) -> list[Target]:
     orgs = list(orgs)
     ids = [o[0] for o in orgs]
     last_end = dict(Invoice.objects.filter(organization_id__in=ids, kind=InvoiceKind.INVOICE)
@@ -125,11 +126,12 @@ def invoice_get(*, organization: Organization, public_id: str) -> Invoice | None
             .prefetch_related("lines").first())
 
 
-def invoice_csv_rows(invoice: Invoice | DraftInvoice) -> Iterator[tuple]:
+def invoice_csv_rows(invoice: Invoice | DraftInvoice) -> Iterator[tuple[object, ...]]:
     """Yield the CSV header and one row per line; the amounts sum to the invoice total."""
     yield CSV_HEADER
     number = getattr(invoice, "number", None) or "upcoming"
-    lines = invoice.lines.all() if isinstance(invoice, Invoice) else invoice.lines
+    lines: Iterable[InvoiceLine | DraftLine] = (
+        invoice.lines.all() if isinstance(invoice, Invoice) else invoice.lines)
     for pos, ln in enumerate(lines, start=1):
         yield (number, getattr(ln, "position", pos), ln.kind, ln.description, ln.model,
                ln.region, ln.service_tier, ln.capacity_source, ln.token_class, ln.quantity,

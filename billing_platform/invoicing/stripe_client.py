@@ -62,6 +62,7 @@ def payment_intent_retrieve(payment_intent_id: str) -> Any:
 
 def webhook_event(payload: bytes, signature: str) -> stripe.Event:
     """Verify a webhook's signature (Stripe's scheme) and parse it; raise on a bad signature."""
-    return stripe.Webhook.construct_event(
+    event: stripe.Event = stripe.Webhook.construct_event(
         payload, signature, settings.STRIPE_WEBHOOK_SECRET,
         tolerance=settings.STRIPE_WEBHOOK_TOLERANCE_S)
+    return event

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import stripe
 from celery import shared_task
 
@@ -15,7 +17,7 @@ STRIPE_TRANSIENT = (stripe.APIConnectionError, stripe.RateLimitError)
 
 
 @shared_task(name="invoicing.period_close", **SAFE)
-def period_close_task() -> dict:
+def period_close_task() -> dict[str, Any]:
     """Invoice every organization whose billing period has ended."""
     report = services.period_close_run()
     return {"invoices": report.invoices, "passes": report.passes,
@@ -46,7 +48,7 @@ def payments_sync_task() -> int:
 
 
 @shared_task(name="invoicing.billing_invariant", **SAFE)
-def billing_invariant_task() -> dict:
+def billing_invariant_task() -> dict[str, Any]:
     """Check that every organization's rated usage is billed once; log and publish the rest."""
     from billing_platform.invoicing.invariants import billing_invariant_report
 

@@ -41,7 +41,8 @@ def invoice_numbers_reserve(*, series: str, count: int) -> int:
                     "ON CONFLICT (series) DO NOTHING", [series])
         cur.execute("UPDATE invoicing_invoicesequence SET next_number = next_number + %s "
                     "WHERE series = %s RETURNING next_number", [count, series])
-        return cur.fetchone()[0] - count
+        next_number: int = cur.fetchone()[0]
+        return next_number - count
 
 
 def invoice_series(*, kind: str, at: datetime) -> str:
@@ -88,12 +89,12 @@ def invoice_finalize(*, invoice: Invoice, now: datetime | None = None,
         draft.add_credit(sum((a.amount for a in applied), ZERO))
     invoice.lines.filter(kind__in=[LineKind.TAX, LineKind.CREDIT]).delete()
     position = max((ln.position for ln in lines), default=0)
-    for ln in draft.lines[len(lines):]:
+    for new in draft.lines[len(lines):]:
         position += 1
         InvoiceLine.objects.create(
-            invoice=invoice, position=position, kind=ln.kind, description=ln.description,
-            quantity=ln.quantity, unit_price=ln.unit_price, amount_precise=ln.amount_precise,
-            amount=ln.amount)
+            invoice=invoice, position=position, kind=new.kind, description=new.description,
+            quantity=new.quantity, unit_price=new.unit_price, amount_precise=new.amount_precise,
+            amount=new.amount)
     series = invoice_series(kind=InvoiceKind.INVOICE, at=now)
     invoice.number = f"{series}-{invoice_numbers_reserve(series=series, count=1):06d}"
     invoice.tax_rate = org.tax_rate

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import stripe
 from django.conf import settings
@@ -53,7 +54,7 @@ def _review(*, organization_id: int | None, target: str, reason: str,
     return f"review: {reason}"[:300]
 
 
-def _unknown_payment_intent(intent: dict, *, pi_id: str) -> str:
+def _unknown_payment_intent(intent: dict[str, Any], *, pi_id: str) -> str:
     """A PaymentIntent no charge attempt of ours recorded: believe nothing it says."""
     if intent.get("status") != "succeeded":
         return "ignored: not a payment this platform created"
@@ -76,7 +77,7 @@ def _unknown_payment_intent(intent: dict, *, pi_id: str) -> str:
                  "currency": str(intent.get("currency") or "")[:8]})
 
 
-def _payment_intent_succeeded(intent: dict, *, attempt: PaymentAttempt, invoice: Invoice,
+def _payment_intent_succeeded(intent: dict[str, Any], *, attempt: PaymentAttempt, invoice: Invoice,
                               now: datetime) -> str:
     """Pay the (locked) invoice if the PaymentIntent received exactly its amount due."""
     if attempt.status == PaymentStatus.NEEDS_REVIEW:
@@ -118,7 +119,7 @@ def _payment_intent_succeeded(intent: dict, *, attempt: PaymentAttempt, invoice:
     return "paid" if paid else "no change"
 
 
-def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
+def _apply_payment_intent(intent: dict[str, Any], *, now: datetime) -> str:
     """Apply a PaymentIntent's state (from a verified webhook or a sync) to our invoice.
 
     Only a PaymentIntent this platform created is believed: it is found by the id recorded on
@@ -153,7 +154,7 @@ def _apply_payment_intent(intent: dict, *, now: datetime) -> str:
     return "no change"
 
 
-def _customer_updated(customer: dict, *, now: datetime) -> str:
+def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
     """A customer with a default payment method (a new card after a decline, or a first one):
     retry the org's open invoices now instead of at the next dunning date, as Stripe does."""
     if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
