@@ -123,6 +123,16 @@ INVOICING_DUNNING_DAYS: list[int] = [
 
 # Batch API: where uploaded and generated files live (object storage later).
 FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))
+# What one organization may hold there (an organization's own max_stored_* fields, set by
+# staff, take precedence), and the free space an upload must leave on the disk of FILES_DIR,
+# so a filling disk refuses new files before PostgreSQL and the usage spool run out of room.
+ORG_MAX_STORED_FILES: int = env.int("TOLLGATE_ORG_MAX_STORED_FILES", default=1000)
+ORG_MAX_STORED_BYTES: int = env.int("TOLLGATE_ORG_MAX_STORED_BYTES", default=10 * 1024**3)
+FILES_DISK_RESERVE_BYTES: int = env.int("TOLLGATE_FILES_DISK_RESERVE_BYTES", default=1024**3)
+# Requests one organization may have in flight on /v1 at once (its max_concurrent_requests
+# field takes precedence); a slot a crashed process never released lapses after the lease.
+ORG_MAX_CONCURRENT_REQUESTS: int = env.int("TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS", default=256)
+ORG_CONCURRENCY_LEASE_S: float = env.float("TOLLGATE_ORG_CONCURRENCY_LEASE_S", default=900.0)
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from django.contrib.auth.models import AbstractUser, BaseUserManager
 from django.contrib.postgres.fields import ArrayField
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -76,6 +77,18 @@ class Organization(models.Model):
     )
     status = models.CharField(max_length=16, choices=OrgStatus.choices, default=OrgStatus.ACTIVE)
     created_at = models.DateTimeField(default=timezone.now)
+    # What one organization may hold of resources every tenant shares; blank: the deployment's
+    # default (TOLLGATE_ORG_MAX_*). Set by staff, not by the customer.
+    max_concurrent_requests = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)],
+        help_text="Requests in flight on /v1 at once. Blank: TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS.")
+    max_stored_files = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Files stored for the Batch API (uploads and outputs). Blank: "
+                  "TOLLGATE_ORG_MAX_STORED_FILES.")
+    max_stored_bytes = models.PositiveBigIntegerField(
+        null=True, blank=True,
+        help_text="Bytes of those files. Blank: TOLLGATE_ORG_MAX_STORED_BYTES.")
 
     class Meta:
         constraints = [

@@ -50,6 +50,9 @@ class KeyPrincipal:
     allowed_models: tuple[str, ...]
     expires_at: float | None
     revoked: bool
+    # the organization's own limit of requests in flight (None: the deployment's default); a
+    # default, so entries cached before the field existed still load
+    max_concurrent_requests: int | None = None
 
     @classmethod
     def from_key(cls, key: ApiKey) -> KeyPrincipal:
@@ -62,6 +65,7 @@ class KeyPrincipal:
             allowed_models=tuple(key.allowed_models),
             expires_at=key.expires_at.timestamp() if key.expires_at else None,
             revoked=key.revoked_at is not None,
+            max_concurrent_requests=key.organization.max_concurrent_requests,
         )
 
     @classmethod
@@ -188,6 +192,14 @@ def organizations_for_user(*, user: User) -> QuerySet[Organization]:
 
 
 # --- Organization facts other apps read (metering's recording) -------------------------------
+
+def organization_file_limits(*, org_id: int) -> tuple[int | None, int | None]:
+    """Return an organization's own limits of stored files: (count, bytes); None where it has
+    none of its own (the deployment's default applies)."""
+    row = (Organization.objects.filter(pk=org_id)
+           .values_list("max_stored_files", "max_stored_bytes").first())
+    return row if row is not None else (None, None)
+
 
 def organization_data_zones(*, org_ids: Iterable[int]) -> dict[int, str]:
     """Return the data zone of each organization among ``org_ids`` that exists."""

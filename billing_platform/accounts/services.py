@@ -113,7 +113,8 @@ def user_sign_up(*, email: str, password: str, org_name: str) -> tuple[User, Org
     return user, organization_create(name=org_name, owner=user)
 
 
-ORG_FIELDS = ("name", "billing_email", "data_zone", "tax_rate", "currency", "status")
+ORG_FIELDS = ("name", "billing_email", "data_zone", "tax_rate", "currency", "status",
+              "max_concurrent_requests", "max_stored_files", "max_stored_bytes")
 
 
 def organization_state(organization: Organization) -> dict[str, Any]:

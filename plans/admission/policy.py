@@ -33,6 +33,8 @@ touches one slot):
 - ``tg:q:{o1}:prov:<reservation id>``  HASH token bucket of provisioned normalized tokens
   (units x tokens/min per unit); a request that fits is ``provisioned``, else ``spillover``
   (or rejected when the reservation's overflow policy is ``reject``).
+- ``tg:q:{o1}:inflight``  ZSET of the organization's /v1 requests in flight, scored by when
+  their slot lapses (ms); see ``plans.concurrency``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ def window_key(org_id: int, subscription_id: int) -> str:
 
 def prov_key(org_id: int, reservation_id: int) -> str:
     return f"{_tag(org_id)}:prov:{reservation_id}"
+
+
+def inflight_key(org_id: int) -> str:
+    """Return the key of the organization's requests in flight (``plans.concurrency``)."""
+    return f"{_tag(org_id)}:inflight"
 
 
 _month: tuple[float, float, str] = (0.0, 0.0, "")
