@@ -97,16 +97,22 @@ def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
     return "this period's credits are used up"
 
 
+def _coefficients(sub: Subscription, model: str) -> dict[str, Decimal] | None:
+    """Return the plan's credit coefficient per token class for ``model`` (its own, else the
+    plan's any-model row), or None where the model is not on the plan."""
+    coefs: dict[str, dict[str, Decimal]] = {}
+    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
+            "model", "token_class", "coefficient"):
+        coefs.setdefault(m, {})[cls] = c
+    return coefs.get(model) or coefs.get(ANY_MODEL)
+
+
 def _plan_rule(sub: Subscription | None, model: str, at: datetime) -> BudgetRule | None:
     """Return a blocking token plan's period credits as an admission rule (None otherwise)."""
     if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
             or sub.plan.cap_policy != CapPolicy.BLOCK or not sub.plan.credits_per_period):
         return None
-    coefs: dict[str, dict[str, Decimal]] = {}
-    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
-            "model", "token_class", "coefficient"):
-        coefs.setdefault(m, {})[cls] = c
-    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    mine = _coefficients(sub, model)
     if not mine:
         return None  # the model is not on the plan: rated on demand, nothing to block
     zero = Decimal("0")
@@ -133,11 +139,7 @@ def _window_rule(sub: Subscription | None, model: str, at: datetime) -> WindowRu
     if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
             or sub.plan.cap_policy != CapPolicy.BLOCK or sub.plan.window_credits is None):
         return None
-    coefs: dict[str, dict[str, Decimal]] = {}
-    for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
-            "model", "token_class", "coefficient"):
-        coefs.setdefault(m, {})[cls] = c
-    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    mine = _coefficients(sub, model)
     if not mine:
         return None
     zero = Decimal("0")
