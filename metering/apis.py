@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.db import DatabaseError
+from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions
@@ -29,7 +30,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing_platform.accounts.choices import Scope
-from billing_platform.accounts.models import ApiKey, Organization, Project
+from billing_platform.accounts.models import ApiKey, Organization, Project, User
 from billing_platform.accounts.selectors import org_access, organizations_for_user
 from billing_platform.errors import Forbidden, InvalidRequest, NotFound
 from metering import conf, events, services
@@ -62,7 +63,8 @@ def _caller(request: Request, org_param: str | None, *, write: bool) -> UsageCal
         org = Organization.objects.get(pk=principal.org_id)
         return UsageCaller(org, principal.project_id, principal.project_id)
     if not org_param:
-        orgs = list(organizations_for_user(user=request.user)[:2])
+        # IsAuthenticated (the default permission) let only a signed-in user here
+        orgs = list(organizations_for_user(user=cast(User, request.user))[:2])
         if len(orgs) != 1:
             raise InvalidRequest("organization is required: you belong to several "
                                  "organizations (or none).", param="organization")
@@ -82,7 +84,7 @@ def _field_errors(exc: exceptions.ValidationError | InvalidRequest) -> dict[str,
     if isinstance(detail, dict):
         return {k: [str(m) for m in (v if isinstance(v, list) else [v])]
                 for k, v in detail.items()}
-    return {"non_field_errors": [str(m) for m in detail]}  # type: ignore[union-attr]
+    return {"non_field_errors": [str(m) for m in detail]}
 
 
 class UsageEventIngestApi(APIView):
@@ -108,8 +110,8 @@ class UsageEventIngestApi(APIView):
         raw_events = body.validated_data["events"]
 
         child = s.ExternalUsageEventSerializer()
-        parsed: list[tuple[int, dict]] = []
-        errors: list[dict] = []
+        parsed: list[tuple[int, dict[str, Any]]] = []
+        errors: list[dict[str, Any]] = []
         for index, item in enumerate(raw_events):
             try:
                 parsed.append((index, child.run_validation(item)))
@@ -183,8 +185,9 @@ def _id_of(item: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _to_event(e: dict, *, org: Organization, caller: UsageCaller, projects: dict[str, int],
-              keys: dict[str, ApiKey], now: datetime) -> events.UsageEventData:
+def _to_event(e: dict[str, Any], *, org: Organization, caller: UsageCaller,
+              projects: dict[str, int], keys: dict[str, ApiKey], now: datetime
+              ) -> events.UsageEventData:
     key = None
     if e["api_key"]:
         key = keys.get(e["api_key"])
@@ -366,11 +369,12 @@ class UsageApi(APIView):
         return Response(s.UsageSummarySerializer(out).data)
 
 
-def _lookup(model, org: Organization, public_ids: tuple[str, ...], param: str, *,
-            project_id: int | None = None) -> tuple[int, ...]:
+def _lookup(model: type[Project | ApiKey], org: Organization, public_ids: tuple[str, ...],
+            param: str, *, project_id: int | None = None) -> tuple[int, ...]:
     if not public_ids:
         return ()
-    objects = model.objects.filter(organization=org, public_id__in=public_ids)
+    # QuerySet[Any]: project_id is ApiKey's field, and only the key lookup passes it
+    objects: QuerySet[Any] = model.objects.filter(organization=org, public_id__in=public_ids)
     if project_id is not None:  # a project-bound caller may not probe other projects' keys
         objects = objects.filter(project_id=project_id)
     found = dict(objects.values_list("public_id", "id"))

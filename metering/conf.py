@@ -8,13 +8,20 @@ machine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
 from django.conf import settings
 
 from billing_platform.env import STATE_DIR, env
 
+_T = TypeVar("_T", str, int, float, bool)
 
-def _setting(name: str, env_name: str, default, cast=str):
+
+@overload
+def _setting(name: str, env_name: str, default: str) -> str: ...
+@overload
+def _setting(name: str, env_name: str, default: _T, cast: type[_T]) -> _T: ...
+def _setting(name: str, env_name: str, default: Any, cast: type = str) -> Any:
     value = getattr(settings, name, None)
     if value is not None:
         return value

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, TypeAlias
 
 from billing_platform.errors import InvalidRequest
 from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
@@ -131,13 +131,13 @@ def _time(value: Any, now: datetime | None) -> datetime:
         value = datetime.fromtimestamp(value, UTC)
     if not isinstance(value, datetime) or value.tzinfo is None:
         raise InvalidRequest("event_time must be a timezone-aware timestamp.", param="event_time")
-    value = value.astimezone(UTC)
-    if now is not None and not now - MAX_AGE <= value <= now + MAX_SKEW:
+    at: datetime = value.astimezone(UTC)
+    if now is not None and not now - MAX_AGE <= at <= now + MAX_SKEW:
         raise InvalidRequest(
             f"event_time must be within the last {MAX_AGE.days} days and at most "
             f"{MAX_SKEW.days} day ahead.", param="event_time",
         )
-    return value
+    return at
 
 
 def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = True
@@ -234,7 +234,8 @@ ROW_LEN = len(ROW_FIELDS)
 I_ORG, I_REQUEST, I_ZONE, I_COST, I_TIME = (ROW_FIELDS.index(n) for n in (
     "org_id", "request_id", "data_zone", "cost_to_serve", "event_time"))
 
-Row = tuple  # one event in ROW_FIELDS order; event_time/cost_to_serve as values or strings
+# one event in ROW_FIELDS order; event_time/cost_to_serve as values or strings
+Row: TypeAlias = tuple[Any, ...]
 
 
 def to_row(event: UsageEventData) -> Row:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import redis
 from django.db import connection
@@ -37,6 +38,9 @@ from django.db import connection
 from metering import conf, events, recording, services, stream
 from metering.models import UsageDeadLetter
 from metering.recording import RecordResult
+
+# a stream entry as redis-py returns it: (entry id, fields), fields None once deleted
+Entry: TypeAlias = tuple[Any, Any]
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +167,7 @@ class Ingestor:
 
     # -- reader thread ------------------------------------------------------------------
 
-    def _decode(self, entries: list, *, claimed: bool) -> Batch:
+    def _decode(self, entries: list[Entry], *, claimed: bool) -> Batch:
         batch = Batch(ids=[], rows=[], claimed=claimed, trusted_text=True)
         decode_row = events.decode_row
         for entry_id, fields in entries:
@@ -195,9 +199,9 @@ class Ingestor:
         return Batch(ids=ids, rows=[v[1:] for v in values],
                      trusted_text=b"\\" not in payload_blob)
 
-    def _claim(self) -> list:
+    def _claim(self) -> list[Entry]:
         """Take over entries other (dead) consumers left unacknowledged for too long."""
-        claimed: list = []
+        claimed: list[Entry] = []
         start = "0-0"
         while len(claimed) < self.batch_size:
             reply = self.redis.xautoclaim(
@@ -248,7 +252,8 @@ class Ingestor:
                         self._put(self._decode_blob(ids_blob, payload_blob))
                         continue
                     # nothing waiting: block until something arrives
-                    reply = self.redis.xreadgroup(
+                    # redis-py types this reply as a union of its RESP2 and RESP3 shapes
+                    reply: Any = self.redis.xreadgroup(
                         self.group, self.name, {self.key: ">"}, count=self.batch_size,
                         block=self.block_ms,
                     )
@@ -313,7 +318,7 @@ class Ingestor:
                   len(batch.ids))
 
     def _housekeeping(self, now: float, due: dict[str, float]) -> None:
-        jobs = {
+        jobs: dict[str, tuple[float, Callable[[], object]]] = {
             "trim": (5.0, lambda: stream.trim_acknowledged(self.redis)),
             "spool": (conf.spool_replay_s(), services.usage_spool_replay),
             "partitions": (3600.0, services.usage_partitions_ensure),
@@ -332,7 +337,8 @@ class Ingestor:
         if not self._reader_idle.is_set() or not self._queue.empty():
             return False
         try:
-            return self.redis.xpending(self.key, self.group)["pending"] == 0
+            pending: int = self.redis.xpending(self.key, self.group)["pending"]
+            return pending == 0
         except redis.RedisError:
             return False
 

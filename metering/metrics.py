@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 
 import redis
 from django.db import connection, transaction
@@ -20,6 +21,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from metering import conf, spool, stream
 from metering.choices import EventSource
+
+if TYPE_CHECKING:
+    from metering.recording import RollupKey, RollupSums
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +63,14 @@ DEAD_LETTER_COUNT_CAP = 100_000
 _ROLLUP_MODEL, _ROLLUP_REGION, _ROLLUP_TIER, _ROLLUP_CURRENCY = 3, 4, 5, 7
 
 
-def usage_recorded(sums: Mapping[tuple, list]) -> None:
+def usage_recorded(sums: Mapping[RollupKey, RollupSums]) -> None:
     """Count a committed batch's events, tokens and amounts from its rollup sums.
 
     ``sums`` is ``recording._Rollups.sums``: (org, project, key, model, region, tier,
     capacity, currency, hour) -> [requests, errors, aborted, prompt, cached, completion,
     normalized, amount, ...]. Aggregated first, so a batch costs one increment per label set.
     """
-    per: dict[tuple[str, str, str, str], list] = {}
+    per: dict[tuple[str, str, str, str], list[Any]] = {}
     for key, acc in sums.items():
         labels = (key[_ROLLUP_MODEL], key[_ROLLUP_TIER], key[_ROLLUP_REGION],
                   key[_ROLLUP_CURRENCY])
@@ -90,7 +94,7 @@ def usage_recorded(sums: Mapping[tuple, list]) -> None:
             USAGE_AMOUNT.labels(model, tier, region, currency).inc(float(amount))
 
 
-def usage_recorded_on_commit(sums: Mapping[tuple, list]) -> None:
+def usage_recorded_on_commit(sums: Mapping[RollupKey, RollupSums]) -> None:
     """Count a batch's usage once the transaction it is recorded in commits (never before)."""
     transaction.on_commit(lambda: usage_recorded(sums))
 
@@ -132,7 +136,9 @@ class MeteringCollector:
         age = 0.0
         if oldest:
             seconds, micros = r.time()
-            age = max(0.0, seconds + micros / 1e6 - stream.entry_ms(oldest[0][0]) / 1000)
+            # redis-py's reply type allows a None entry id; Redis never sends one
+            oldest_ms = stream.entry_ms(oldest[0][0])  # type: ignore[arg-type]
+            age = max(0.0, seconds + micros / 1e6 - oldest_ms / 1000)
         yield _gauge("tollgate_ingest_backlog_events",
                      "Usage events on the stream not yet recorded in PostgreSQL (undelivered "
                      "plus delivered but unacknowledged).", backlog)

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from django.db import (
     DatabaseError,
@@ -50,9 +51,18 @@ from billing_platform.accounts.selectors import organization_data_zones
 from metering import faults, metrics, partitions
 from metering.events import I_ORG, I_REQUEST, I_TIME, I_ZONE, Row, UsageEventData, row_wire, to_row
 
+if TYPE_CHECKING:
+    from psycopg import Cursor
+
+    from plans.rating import Rating
+
 log = logging.getLogger(__name__)
 
 Key = tuple[int, str]
+# A rollup's key, (org, project, key, model, region, tier, capacity, currency, hour), and its
+# sums in ROLLUP_SUMS order: int counts, then Decimal amounts.
+RollupKey: TypeAlias = tuple[Any, ...]
+RollupSums: TypeAlias = list[Any]
 
 # Keys go in in index order: neighbouring keys share leaf pages, and concurrent writers that
 # meet on the same (duplicate) keys lock them in the same order.
@@ -153,7 +163,7 @@ def _fill_data_zones(rows: Sequence[Row]) -> list[Row]:
     return out
 
 
-def _rate(rows: Sequence[Row]) -> list:
+def _rate(rows: Sequence[Row]) -> list[Rating]:
     from plans.rating import UsageFacts, rate_usage_batch
 
     parse = datetime.fromisoformat
@@ -192,9 +202,9 @@ class _Rollups:
     """Hourly sums of the rows being recorded, keyed like ``usage_rollup_hourly``."""
 
     def __init__(self) -> None:
-        self.sums: dict[tuple, list] = {}
+        self.sums: dict[RollupKey, RollupSums] = {}
 
-    def add(self, r: Row, rating) -> None:
+    def add(self, r: Row, rating: Rating) -> None:
         when = r[I_TIME]
         key = (r[0], r[2], r[3], r[4], r[5], r[8], rating.capacity_source, rating.currency,
                when[:13])
@@ -218,9 +228,9 @@ class _Rollups:
         acc[11] += lines.get("cached_input", _ZERO)
         acc[12] += lines.get("output", _ZERO)
 
-    def columns(self) -> list[list]:
+    def columns(self) -> list[list[Any]]:
         keys = sorted(self.sums, key=lambda k: (k[0], k[1], k[2] or 0, *k[3:]))
-        cols: list[list] = [[] for _ in range(len(ROLLUP_KEY) + len(ROLLUP_SUMS))]
+        cols: list[list[Any]] = [[] for _ in range(len(ROLLUP_KEY) + len(ROLLUP_SUMS))]
         for key in keys:
             values = (*key[:8], f"{key[8]}:00:00+00:00", *self.sums[key])
             for col, value in zip(cols, values, strict=True):
@@ -228,7 +238,8 @@ class _Rollups:
         return cols
 
 
-def _write_events(cur, fresh: Sequence[Row], ratings: Sequence, *, trusted_text: bool
+def _write_events(cur: Cursor[Any], fresh: Sequence[Row], ratings: Sequence[Rating], *,
+                  trusted_text: bool
                   ) -> _Rollups:
     rollups = _Rollups()
     add = rollups.add
@@ -296,7 +307,7 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
     return result
 
 
-def _mark_late_hours(cur, fresh: Sequence[Row]) -> None:
+def _mark_late_hours(cur: Cursor[Any], fresh: Sequence[Row]) -> None:
     """Record the hours of ``fresh`` (sorted by time) that ended over LATE_AFTER ago."""
     cutoff = (datetime.now(UTC) - LATE_AFTER).isoformat()
     if fresh[0][I_TIME][:13] >= cutoff[:13]:  # the usual case: nothing late
@@ -335,8 +346,8 @@ def _record_or_isolate(rows: Sequence[Row], origin: str, *, isolate: bool, trust
                 .merge(_record_or_isolate(rows[mid:], origin, **kw)))
 
 
-def _iso(when) -> str:
-    if type(when) is str:
+def _iso(when: str | datetime) -> str:
+    if isinstance(when, str):
         return when
     return when.astimezone(UTC).isoformat()
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.db import connection
 from django.db.models import QuerySet, Sum
@@ -59,7 +59,7 @@ class UsageBucket:
     normalized_tokens: int = 0
     amount: Decimal = Decimal("0")
     credits_consumed: Decimal = Decimal("0")
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -104,11 +104,11 @@ def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = (),
             if name == "day" and value is not None:
                 value = value.date()
             group[name] = value
-        out.append(UsageBucket(
-            group=group, currency=row["currency"],
-            **{s: row[f"s_{s}"] or (Decimal("0") if s in ("amount", "credits_consumed") else 0)
-               for s in SUMS},
-        ))
+        # the SUMS: int counts, Decimal amounts (0 where a group has no row)
+        sums: dict[str, Any] = {
+            s: row[f"s_{s}"] or (Decimal("0") if s in ("amount", "credits_consumed") else 0)
+            for s in SUMS}
+        out.append(UsageBucket(group=group, currency=row["currency"], **sums))
     return out
 
 

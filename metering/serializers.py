@@ -9,6 +9,10 @@ from metering.events import MAX_ID
 
 MAX_BATCH = 10_000
 
+# A field called ``data`` or ``errors`` is fine at runtime (DRF's metaclass takes declared
+# fields off the class, so the serializer's .data/.errors properties stay), but the stubs see
+# an attribute overriding those properties: hence the [assignment] ignores on those fields.
+
 
 class ExternalUsageEventSerializer(serializers.Serializer):
     """One usage event reported by an engine outside the fleet. Tokens are the engine's."""
@@ -77,7 +81,7 @@ class UsageEventErrorSerializer(serializers.Serializer):
     index = serializers.IntegerField()
     id = serializers.CharField(allow_null=True)
     code = serializers.CharField(help_text="invalid | not_rated | id_conflict")
-    errors = serializers.DictField(help_text="field -> messages")
+    errors = serializers.DictField(help_text="field -> messages")  # type: ignore[assignment]
 
 
 class UsageEventBatchResultSerializer(serializers.Serializer):
@@ -85,8 +89,8 @@ class UsageEventBatchResultSerializer(serializers.Serializer):
     recorded = serializers.IntegerField()
     duplicates = serializers.IntegerField()
     rejected = serializers.IntegerField()
-    data = UsageEventOutcomeSerializer(many=True)
-    errors = UsageEventErrorSerializer(many=True)
+    data = UsageEventOutcomeSerializer(many=True)  # type: ignore[assignment]
+    errors = UsageEventErrorSerializer(many=True)  # type: ignore[assignment]
 
 
 class UsageQuerySerializer(serializers.Serializer):
@@ -131,7 +135,7 @@ class UsageSummarySerializer(serializers.Serializer):
     start = serializers.DateTimeField()
     end = serializers.DateTimeField()
     group_by = serializers.ListField(child=serializers.CharField())
-    data = UsageBucketSerializer(many=True)
+    data = UsageBucketSerializer(many=True)  # type: ignore[assignment]
     totals = UsageBucketSerializer(many=True, help_text="One entry per currency.")
 
 
@@ -171,7 +175,7 @@ class DeadLetterSerializer(serializers.Serializer):
 
 class DeadLetterPageSerializer(serializers.Serializer):
     object = serializers.CharField(default="list")
-    data = DeadLetterSerializer(many=True)
+    data = DeadLetterSerializer(many=True)  # type: ignore[assignment]
     has_more = serializers.BooleanField()
     last_id = serializers.IntegerField(allow_null=True, help_text="Pass as `after` for the "
                                        "next page.")
@@ -213,7 +217,7 @@ class DeadLetterBulkRetryRequestSerializer(serializers.Serializer):
 
 class DeadLetterBulkRetrySerializer(serializers.Serializer):
     object = serializers.CharField(default="list")
-    data = DeadLetterRetrySerializer(many=True)
+    data = DeadLetterRetrySerializer(many=True)  # type: ignore[assignment]
     has_more = serializers.BooleanField()
     last_id = serializers.IntegerField(allow_null=True, help_text="With all_unresolved: pass "
                                        "as `after` to go on.")

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import redis
 from asgiref.sync import sync_to_async
@@ -100,7 +100,8 @@ def usage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
     ``event`` is a ``UsageEventData`` or a dict of its fields (see ``metering.events``).
     Raise ``InvalidRequest`` for an invalid event, ``UsageNotRecorded`` when nothing took it.
     """
-    return usage_events_append([event])
+    # never None: that is only the answer to an empty list
+    return cast(AppendPath, usage_events_append([event]))
 
 
 def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]

@@ -29,10 +29,12 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import overload
 
 import redis
 import redis.asyncio as aredis
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript, Script
 from redis.retry import Retry
 
 from metering import conf
@@ -122,10 +124,15 @@ class Breaker:
 breaker = Breaker()
 
 
-_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_scripts: weakref.WeakKeyDictionary[redis.Redis | aredis.Redis, Script | AsyncScript] = (
+    weakref.WeakKeyDictionary())
 
 
-def _script(r: redis.Redis | aredis.Redis):
+@overload
+def _script(r: redis.Redis) -> Script: ...
+@overload
+def _script(r: aredis.Redis) -> AsyncScript: ...
+def _script(r: redis.Redis | aredis.Redis) -> Script | AsyncScript:
     """Return the append script bound to ``r`` (its SHA computed once per client)."""
     script = _scripts.get(r)
     if script is None:
@@ -167,7 +174,8 @@ async def aappend(payload: bytes) -> int:
     """
     r = aclient()
     script = _script(r)
-    args = [conf.stream_max_length(), payload]
+    args: list[int | bytes] = [conf.stream_max_length(), payload]
+    length: int
     try:
         if conf.wait_aof():
             async with r.pipeline(transaction=False) as pipe:
@@ -194,12 +202,14 @@ def append_many(payloads: Sequence[bytes]) -> int:
     """
     r = client()
     script = _script(r)
-    args = [conf.stream_max_length(), *payloads]
+    args: list[int | bytes] = [conf.stream_max_length(), *payloads]
+    length: int
     try:
         if conf.wait_aof():
             pipe = r.pipeline(transaction=False)
             script(keys=[conf.stream_key()], args=args, client=pipe)
-            pipe.execute_command("WAITAOF", 1, 0, 1000)
+            # redis-py leaves Pipeline.execute_command unannotated
+            pipe.execute_command("WAITAOF", 1, 0, 1000)  # type: ignore[no-untyped-call]
             length, (local, _replicas) = pipe.execute()
             if not local:
                 raise redis.RedisError("Redis did not fsync the usage events within 1 s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
@@ -31,7 +32,7 @@ class Command(BaseCommand):
         parser.add_argument("--drain", action="store_true",
                             help="exit once the stream has nothing new and nothing pending")
 
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         ingestor = Ingestor(
             name=options["name"], batch_size=options["batch_size"],
             block_ms=options["block_ms"], claim_idle_ms=options["claim_idle_ms"],
