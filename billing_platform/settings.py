@@ -177,7 +177,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
-    "EXCEPTION_HANDLER": "billing_platform.accounts.apis.exception_handler",
+    "EXCEPTION_HANDLER": "billing_platform.api.errors.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tollgate management API",

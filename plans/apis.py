@@ -19,7 +19,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from billing_platform.accounts.apis import OrgScopedView
 from billing_platform.accounts.choices import Role
 from billing_platform.accounts.models import ApiKey, Organization
 from billing_platform.accounts.selectors import OrgAccess, org_access
@@ -27,6 +26,7 @@ from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.idempotency.services import idempotent
 from plans import limits, quotas, selectors, services
+from billing_platform.api.views import OrgScopedView
 from plans import serializers as s
 from plans.models import (
     Budget,

@@ -1,12 +1,11 @@
 """Management API views (/api/v1/): thin — validate, call one service, serialize.
 
-Every object is looked up inside the caller's organization, so another organization's object is
-a 404, never a 403 that would confirm it exists. Role rules come from ``ROLE_PERMISSIONS``.
+Every object is looked up inside the caller's organization (``api.views.OrgScopedView``), so
+another organization's object is a 404, never a 403 that would confirm it exists. Role rules
+come from ``ROLE_PERMISSIONS``; domain errors are answered by ``api.errors``.
 """
 
 from __future__ import annotations
-
-from typing import Any, ClassVar
 
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
@@ -14,54 +13,16 @@ from rest_framework import exceptions, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
-from rest_framework.views import exception_handler as drf_exception_handler
 
 from billing_platform.accounts import serializers as s
 from billing_platform.accounts import services
-from billing_platform.accounts.models import ApiKey, Membership, Project
+from billing_platform.accounts.models import ApiKey, Membership
 from billing_platform.accounts.selectors import (
-    OrgAccess,
     api_keys_for_project,
     org_access,
     organizations_for_user,
 )
-from billing_platform.errors import DomainError
-
-
-def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """Map domain errors to DRF's error shape; leave the rest to DRF."""
-    if isinstance(exc, DomainError):
-        body = {"detail": exc.message, "code": exc.code}
-        if exc.param:
-            body["param"] = exc.param
-        return Response(body, status=exc.status)
-    return drf_exception_handler(exc, context)
-
-
-class OrgScopedView(APIView):
-    """Resolve ``org_id`` to the caller's access; check the permission for the HTTP method."""
-
-    permission_for: ClassVar[dict[str, str]] = {"GET": "read"}
-    access: OrgAccess
-
-    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super().initial(request, *args, **kwargs)
-        self.access = org_access(
-            user=request.user, principal=getattr(request.user, "principal", None),
-            org_public_id=kwargs["org_id"],
-        )
-        needed = self.permission_for.get(request.method or "GET", "read")
-        if not self.access.can(needed):
-            raise exceptions.PermissionDenied(
-                f"Your role ({self.access.role}) does not allow this ({needed})."
-            )
-
-    @property
-    def org(self):
-        return self.access.organization
-
-    def project(self, project_id: str) -> Project:
-        return get_object_or_404(Project, organization=self.org, public_id=project_id)
+from billing_platform.api.views import OrgScopedView
 
 
 class OrganizationListApi(APIView):
@@ -129,7 +90,8 @@ class ProjectDetailApi(OrgScopedView):
         )
         return Response(s.ProjectSerializer(project).data)
 
-    @extend_schema(responses=s.ProjectSerializer, description="Archive; revokes its keys.")
+    @extend_schema(responses={200: s.ProjectSerializer},
+                   description="Archive; revokes its keys.")
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
         project = services.project_archive(project=self.project(project_id),
                                            acting_user=request.user)
@@ -170,7 +132,8 @@ class ApiKeyDetailApi(OrgScopedView):
     def get(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
         return Response(s.ApiKeySerializer(self.key(project_id, key_id)).data)
 
-    @extend_schema(request=None, responses=s.ApiKeySerializer, description="Revoke the key.")
+    @extend_schema(request=None, responses={200: s.ApiKeySerializer},
+                   description="Revoke the key.")
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
         key = services.api_key_revoke(api_key=self.key(project_id, key_id),
                                       acting_user=request.user)

@@ -11,8 +11,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from billing_platform.accounts.apis import OrgScopedView
 from billing_platform.accounts.models import Organization
+from billing_platform.api.views import OrgScopedView
 from billing_platform.audit import selectors
 from billing_platform.audit.models import AuditEvent
 

@@ -16,9 +16,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from billing_platform.accounts.apis import OrgScopedView
 from billing_platform.accounts.models import User
 from billing_platform.accounts.selectors import org_access, organizations_for_user
+from billing_platform.api.views import OrgScopedView
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import rendering, selectors, services
 from billing_platform.invoicing.builder import DraftInvoice
