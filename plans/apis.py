@@ -22,11 +22,11 @@ from rest_framework.views import APIView
 from billing_platform.accounts.choices import Role
 from billing_platform.accounts.models import ApiKey, Organization
 from billing_platform.accounts.selectors import OrgAccess, org_access
+from billing_platform.api.views import OrgScopedView
 from billing_platform.audit.selectors import quota_audit_events
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.idempotency.services import idempotent
 from plans import limits, quotas, selectors, services
-from billing_platform.api.views import OrgScopedView
 from plans import serializers as s
 from plans.models import (
     Budget,
