@@ -9,8 +9,9 @@ organization first, so a non-member gets 404 whatever the method; members read, 
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
+from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
@@ -20,7 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from billing_platform.accounts.choices import Role
-from billing_platform.accounts.models import ApiKey, Organization
+from billing_platform.accounts.models import ApiKey, Organization, User
 from billing_platform.accounts.selectors import OrgAccess, org_access
 from billing_platform.api.views import OrgScopedView
 from billing_platform.audit.selectors import quota_audit_events
@@ -74,7 +75,9 @@ class PlansOrgView(OrgScopedView):
             return
         if needed == STAFF:
             # Resolve membership first (non-members get 404), then refuse the write.
-            self.permission_for = {**self.permission_for, request.method or "GET": "read"}
+            # on this view instance only (one per request): the class map stays as it is
+            self.permission_for = {  # type: ignore[misc]
+                **self.permission_for, request.method or "GET": "read"}
             super().initial(request, *args, **kwargs)
             raise exceptions.PermissionDenied("Only Tollgate staff can change this.")
         super().initial(request, *args, **kwargs)
@@ -97,7 +100,7 @@ class PriceBookListApi(StaffWriteView):
         return Response(s.PriceBookSerializer(book).data, status=status.HTTP_201_CREATED)
 
 
-def _versions(book: PriceBook):
+def _versions(book: PriceBook) -> QuerySet[PriceVersion]:
     return (PriceVersion.objects.filter(price_book=book)
             .prefetch_related("prices__bands", "multipliers").order_by("-effective_from"))
 
@@ -138,7 +141,10 @@ class PriceVersionListApi(PriceBookDetailApi):
 
 class PriceVersionDetailApi(PriceBookDetailApi):
     @extend_schema(responses=s.PriceVersionSerializer)
-    def get(self, request: Request, code: str, version_id: int) -> Response:
+    # its URL has one more parameter than the book's (DRF passes URL kwargs by name): it
+    # inherits book() and the permissions, not a get() callable in the book's place
+    def get(  # type: ignore[override]
+            self, request: Request, code: str, version_id: int) -> Response:
         version = get_object_or_404(_versions(self.book(code)), pk=version_id)
         return Response(s.PriceVersionSerializer(version).data)
 
@@ -353,7 +359,8 @@ class CreditGrantListApi(PlansOrgView):
         body = s.CreditGrantCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         grant = services.credit_grant_create(
-            acting_user=request.user, organization=self.org, created_by=request.user,
+            acting_user=request.user, organization=self.org,
+            created_by=cast(User, request.user),  # IsAuthenticated: a signed-in user
             **body.validated_data)
         return Response(s.CreditGrantSerializer(grant).data, status=status.HTTP_201_CREATED)
 
@@ -385,8 +392,8 @@ class QuoteApi(APIView):
                 raise NotFound("No such organization.")
             return Organization.objects.get(pk=principal.org_id)
         if org_public_id is None:
-            orgs = list(request.user.memberships.values_list("organization__public_id",
-                                                             flat=True)[:2])
+            user = cast(User, request.user)  # IsAuthenticated: a signed-in user
+            orgs = list(user.memberships.values_list("organization__public_id", flat=True)[:2])
             if len(orgs) != 1:
                 raise InvalidRequest("Say which organization to quote for.",
                                      param="organization")
@@ -402,7 +409,7 @@ class QuoteApi(APIView):
 
 # --- quotas: limits, budgets, audit ------------------------------------------------------------
 
-class LimitsSerializer(drf_serializers.Serializer):
+class LimitsSerializer(drf_serializers.Serializer[Any]):
     usage_tier = drf_serializers.CharField(
         required=False, allow_blank=True, allow_null=True, default=None,
         help_text="Staff only (organization row): the usage tier; omit to keep it.")
@@ -414,7 +421,7 @@ class LimitsSerializer(drf_serializers.Serializer):
                                                 required=False, default=list)
 
 
-class BudgetWriteSerializer(drf_serializers.Serializer):
+class BudgetWriteSerializer(drf_serializers.Serializer[Any]):
     amount = drf_serializers.DecimalField(max_digits=30, decimal_places=10,
                                           min_value=Decimal("0.0000000001"))
     hard = drf_serializers.BooleanField(default=True)

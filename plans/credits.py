@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import cast
 
 from django.db.models import F
 from django.utils import timezone
@@ -146,7 +147,8 @@ class TokenPlanLedger:
             return stored
         plan = sub.plan
         period = self.period(sub, t)
-        room = plan.credits_per_period - period.plan_credits
+        # a token plan always has credits_per_period (constraint token_plan_has_credits)
+        room = cast(Decimal, plan.credits_per_period) - period.plan_credits
         window = self.windows[sub.id]
         if plan.window_credits is not None:
             used = window.between(t - timedelta(hours=plan.window_hours), t)

@@ -110,7 +110,7 @@ def budget_set(*, organization: Organization, project: Project | None = None,
         budget = Budget.objects.select_for_update().filter(
             organization=organization, project=project).first()
         created = budget is None
-        if created:
+        if budget is None:
             budget = Budget(organization=organization, project=project,
                             currency=organization.currency,
                             webhook_secret=f"whsec_{secrets.token_hex(24)}")
@@ -137,7 +137,8 @@ def budget_delete(*, budget: Budget, actor: Any = None) -> None:
 def _email_alert(alert: BudgetAlert, state: BudgetState) -> None:
     budget = state.budget
     org = budget.organization
-    who = f"project {budget.project.name}" if budget.project_id else f"organization {org.name}"
+    who = (f"project {budget.project.name}" if budget.project is not None
+           else f"organization {org.name}")
     subject = (f"[Tollgate] {who} reached {alert.threshold}% of its monthly budget "
                f"({state.live_spend.quantize(Decimal('0.01'))} of {budget.amount} "
                f"{budget.currency})")
@@ -191,7 +192,7 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
         # Redis lost spend (restart, flush): PostgreSQL is the truth. Max, never lower.
         r.eval(scripts.RAISE_SPENT_LUA, 1, key, admission.to_micro(pg))
         fixed = raw is not None
-        if fixed:
+        if raw is not None:
             _audit(organization_id=budget.organization_id, action="budget.drift_fixed",
                    subject=budget.public_id,
                    details={"redis": str(admission.from_micro(raw)), "postgres": str(pg)})

@@ -55,6 +55,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime
 from decimal import ROUND_CEILING, Decimal, localcontext
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Q
@@ -222,8 +223,8 @@ class _Batch:
             s.plan.price_book_id for subs in self.subs.values() for s in subs
             if s.plan.price_book_id}
         self.prices = PriceIndex(book_ids, models, min_t, max_t)
-        self.memo: dict[tuple, tuple[dict[str, Decimal], Decimal]] = {}
-        self._series: dict[tuple, tuple[list[datetime], list[ModelPricing | None]]] = {}
+        self.memo: dict[tuple[Any, ...], tuple[dict[str, Decimal], Decimal]] = {}
+        self._series: dict[tuple[Any, ...], tuple[list[datetime], list[ModelPricing | None]]] = {}
         # (kind, subscription) per event, resolved once
         self.plan: list[tuple[str, Subscription | None]] = [self.kind_of(f) for f in facts]
         plan_facts = [(f, sub) for f, (kind, sub) in zip(facts, self.plan, strict=True)

@@ -44,7 +44,7 @@ def budget_reconcile(budget_id: int) -> dict[str, Any] | None:
              autoretry_for=(webhooks.WebhookNotDelivered,),
              retry_backoff=env.BUDGET_WEBHOOK_BACKOFF_S, retry_backoff_max=3600,
              retry_jitter=True, max_retries=env.BUDGET_WEBHOOK_MAX_RETRIES)
-def budget_alert_webhook(self: Task, alert_id: int) -> str:
+def budget_alert_webhook(self: Task[[int], str], alert_id: int) -> str:
     """Post one budget alert's webhook (at most once: ``budget_alert_webhook_deliver``)."""
     return webhooks.budget_alert_webhook_deliver(
         alert_id=alert_id, last_attempt=self.request.retries >= (self.max_retries or 0))

@@ -193,7 +193,7 @@ def webhook_payload(*, alert: BudgetAlert) -> bytes:
     budget = alert.budget
     payload = {"type": "budget.threshold_reached", "budget": budget.public_id,
                "organization": budget.organization.public_id,
-               "project": budget.project.public_id if budget.project_id else None,
+               "project": budget.project.public_id if budget.project is not None else None,
                "threshold": alert.threshold, "spend": str(alert.spend),
                "amount": str(budget.amount), "currency": budget.currency,
                "period_start": alert.period_start.isoformat(), "hard": budget.hard,

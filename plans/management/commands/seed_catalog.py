@@ -8,6 +8,7 @@ Prices are per 1M tokens, in line with public open-model API list prices (2025).
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from django.core.management.base import BaseCommand
 from django.db import transaction
@@ -19,7 +20,7 @@ from plans.models import CreditPack, Plan, PriceBook, PriceVersion, ProvisionedO
 CATALOG_FROM = datetime(2025, 1, 1, tzinfo=UTC)
 
 # model -> per-1M prices (strings: never floats near money). cached_input omitted = 0.1 x input.
-MODEL_PRICES = [
+MODEL_PRICES: list[dict[str, Any]] = [
     {"model": "tollgate/tiny-llama", "input": "0.02", "output": "0.04"},
     {"model": "llama-3.1-8b-instruct", "input": "0.18", "output": "0.18"},
     {"model": "llama-3.3-70b-instruct", "input": "0.88", "output": "0.88",
@@ -29,7 +30,7 @@ MODEL_PRICES = [
      "bands": [{"above_prompt_tokens": 131072, "input": "0.40", "output": "1.20"}]},
 ]
 
-TOKEN_PLAN = {
+TOKEN_PLAN: dict[str, Any] = {
     "code": "builder-monthly",
     "name": "Builder (monthly token plan)",
     "kind": PlanKind.TOKEN_PLAN,
@@ -57,10 +58,10 @@ TOKEN_PLAN = {
         {"model": "qwen3-235b-a22b", "token_class": "output", "coefficient": "3"},
     ],
 }
-CREDIT_PACK = {"code": "boost-10m", "name": "10M credit boost", "credits": "10000000",
-               "price": "4.00", "validity_days": 90}
+CREDIT_PACK: dict[str, Any] = {"code": "boost-10m", "name": "10M credit boost",
+                               "credits": "10000000", "price": "4.00", "validity_days": 90}
 
-OFFERING = {
+OFFERING: dict[str, Any] = {
     "code": "llama-70b-us-east-ptu",
     "name": "Llama 3.3 70B provisioned unit (us-east)",
     "model": "llama-3.3-70b-instruct",
@@ -79,7 +80,7 @@ class Command(BaseCommand):
     help = "Create the default price book, token plan and provisioned offering (idempotent)."
 
     @transaction.atomic
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: Any, **options: Any) -> None:
         made = []
         book = PriceBook.objects.filter(code="usd-list").first()
         if book is None:
