@@ -218,6 +218,11 @@ def cmd_test(args: argparse.Namespace) -> int:
             if subprocess.run(argv, cwd=E.BASE_DIR, check=False).returncode:
                 say("ruff found problems (fix them, or run `.venv/bin/ruff check --fix .`)")
                 return 1
+            say("mypy (the apps, as [tool.mypy] in pyproject.toml says)")
+            if subprocess.run([sys.executable, "-m", "mypy"], cwd=E.BASE_DIR,
+                              check=False).returncode:
+                say("mypy found type errors (fix them; run it alone with `.venv/bin/mypy`)")
+                return 1
         say("real SGLang for the CPU: building or checking .tollgate/sglang-venv "
             "(first run ~2-3 min, ~3.5 GB; then instant)")
         if subprocess.run([sys.executable, "-m", "engine_adapter.sglang_cpu", "setup"],
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--sim-only", action="store_true",
                     help="simulated engines only (starts in seconds; no real SGLang build)")
     up.set_defaults(func=cmd_up)
-    test = sub.add_parser("test", help="run ruff and the test suite (extra args go to pytest)")
+    test = sub.add_parser("test",
+                          help="run ruff, mypy and the test suite (extra args go to pytest)")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER)
     test.set_defaults(func=cmd_test)
     services = sub.add_parser("services", help="start PostgreSQL/Redis, print their URLs")

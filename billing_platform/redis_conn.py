@@ -99,7 +99,8 @@ class _Replies(asyncio.Protocol):
         try:
             self._answer()
         except hiredis.ProtocolError:
-            self.transport.abort()  # not Redis speaking: connection_lost fails the waiters
+            if self.transport is not None:  # set by connection_made, before any data
+                self.transport.abort()  # not Redis speaking: connection_lost fails the waiters
 
     def _answer(self) -> None:
         while (reply := self.reader.gets()) is not False:
@@ -120,7 +121,7 @@ class _Replies(asyncio.Protocol):
                 waiter.set_exception(self.lost)
 
 
-def _error(message: str) -> redis.exceptions.ResponseError:
+def _error(message: str) -> redis.exceptions.RedisError:
     """The redis-py exception for an error reply, so callers catch what they already do."""
     if message.startswith("NOSCRIPT"):
         return redis.exceptions.NoScriptError(message)
@@ -159,6 +160,8 @@ class PipelinedConnection:
     async def _send(self, protocol: _Replies, args: tuple[Any, ...]) -> Any:
         waiter = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
+        if protocol.transport is None:  # connection_made set it before _connect returned
+            raise redis.exceptions.ConnectionError("Redis connection not made")
         protocol.transport.write(hiredis.pack_command(args))
         try:
             async with asyncio.timeout(self.timeout):
@@ -204,7 +207,7 @@ class PipelinedConnection:
             raise redis.exceptions.ConnectionError(
                 f"cannot connect to Redis: {exc!r}; is it running at the configured "
                 f"REDIS_URL?") from exc
-        setup = []
+        setup: list[tuple[Any, ...]] = []
         if o.get("password"):
             setup.append(("AUTH", *([o["username"]] if o.get("username") else []),
                           o["password"]))

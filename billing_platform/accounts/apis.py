@@ -7,6 +7,8 @@ come from ``ROLE_PERMISSIONS``; domain errors are answered by ``api.errors``.
 
 from __future__ import annotations
 
+from typing import cast
+
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
@@ -16,7 +18,7 @@ from rest_framework.views import APIView
 
 from billing_platform.accounts import serializers as s
 from billing_platform.accounts import services
-from billing_platform.accounts.models import ApiKey, Membership
+from billing_platform.accounts.models import ApiKey, Membership, User
 from billing_platform.accounts.selectors import (
     api_keys_for_project,
     org_access,
@@ -34,8 +36,9 @@ class OrganizationListApi(APIView):
                                 org_public_id=principal.org_public_id)
             orgs, roles = [access.organization], {access.organization.pk: access.role}
         else:
-            orgs = list(organizations_for_user(user=request.user))
-            roles = dict(request.user.memberships.values_list("organization_id", "role"))
+            user = cast(User, request.user)  # IsAuthenticated, and not an API key: a person
+            orgs = list(organizations_for_user(user=user))
+            roles = dict(user.memberships.values_list("organization_id", "role"))
         data = s.OrganizationSerializer(orgs, many=True, context={"roles": roles}).data
         return Response({"object": "list", "data": data})
 
@@ -163,7 +166,7 @@ class MemberListApi(OrgScopedView):
         if hasattr(request.user, "principal"):
             raise exceptions.PermissionDenied("Invitations are sent by a person, not a key.")
         invitation, _token = services.member_invite(
-            organization=self.org, acting_user=request.user, **body.validated_data,
+            organization=self.org, acting_user=cast(User, request.user), **body.validated_data,
         )
         return Response(s.InvitationSerializer(invitation).data, status=status.HTTP_201_CREATED)
 

@@ -28,7 +28,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 from django.conf import settings
@@ -88,7 +88,8 @@ def _decode(raw: str | None) -> tuple[dict[str, Any] | None, str | None]:
 def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
     """Return ``(entry, marker)``: a cached entry (``UNKNOWN`` for a prefix known to have no
     key), or the marker to replace (None if absent)."""
-    return _decode(get_redis().get(cache_key(prefix)))
+    # a decode_responses client: str or None, never bytes
+    return _decode(cast("str | None", get_redis().get(cache_key(prefix))))
 
 
 async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:

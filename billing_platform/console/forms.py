@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from django import forms
 from django.contrib.auth.password_validation import validate_password
 
@@ -38,7 +40,7 @@ class ApiKeyForm(forms.Form):
         offered; the service refuses them anyway)."""
         super().__init__(*args, **kwargs)
         if grantable is not None:
-            field = self.fields["scopes"]
+            field = cast(forms.MultipleChoiceField, self.fields["scopes"])
             field.choices = [(v, label) for v, label in Scope.choices if v in grantable]
 
     def clean_allowed_models(self) -> list[str]:

@@ -78,7 +78,7 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
         else:
             messages.error(request, f"Please correct: {form.errors.as_text()}")
         return redirect("console:settings")
-    limits = {(r.project.public_id if r.project_id else "org"): r
+    limits = {(r.project.public_id if r.project is not None else "org"): r
               for r in rate_limits.limits_rows_of(organization=org) if not r.api_key_id}
     org_row = limits.get("org")
     tier = (org_row.usage_tier if org_row and org_row.usage_tier

@@ -6,11 +6,12 @@ import secrets
 from collections.abc import Callable
 from datetime import timedelta
 from functools import wraps
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
+from django.forms import ChoiceField
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -18,7 +19,7 @@ from django.views.decorators.http import require_POST
 
 from billing_platform.accounts import services
 from billing_platform.accounts.choices import scopes_grantable
-from billing_platform.accounts.models import ApiKey, Membership, Project
+from billing_platform.accounts.models import ApiKey, Membership, Project, User
 from billing_platform.accounts.selectors import (
     OrgAccess,
     api_keys_for_project,
@@ -38,7 +39,7 @@ def _resolve_access(request: HttpRequest) -> OrgAccess | None:
             return org_access(user=request.user, principal=None, org_public_id=wanted)
         except NotFound:
             request.session.pop(SESSION_ORG, None)
-    first = organizations_for_user(user=request.user).first()
+    first = organizations_for_user(user=cast(User, request.user)).first()  # signed in
     if first is None:
         return None
     request.session[SESSION_ORG] = first.public_id
@@ -85,7 +86,7 @@ def signup(request: HttpRequest) -> HttpResponse:
 def dashboard(request: HttpRequest, access: OrgAccess) -> HttpResponse:
     org = access.organization
     context = {
-        "orgs": organizations_for_user(user=request.user),
+        "orgs": organizations_for_user(user=cast(User, request.user)),  # signed in
         "projects": org.projects.order_by("created_at"),
         "active_keys": ApiKey.objects.filter(organization=org, revoked_at__isnull=True).count(),
         "members": org.memberships.count(),
@@ -205,7 +206,8 @@ def members(request: HttpRequest, access: OrgAccess) -> HttpResponse:
         if form.is_valid():
             try:
                 services.member_invite(organization=access.organization,
-                                       acting_user=request.user, **form.cleaned_data)
+                                       acting_user=cast(User, request.user),  # signed in
+                                       **form.cleaned_data)
             except DomainError as exc:
                 form.add_error(exc.param if exc.param in form.fields else None, exc.message)
             else:
@@ -216,7 +218,7 @@ def members(request: HttpRequest, access: OrgAccess) -> HttpResponse:
                                                       expires_at__gt=timezone.now())
     return render(request, "console/members.html", {
         "memberships": memberships, "pending": pending, "form": form,
-        "roles": forms.RoleForm.base_fields["role"].choices,
+        "roles": cast(ChoiceField, forms.RoleForm.base_fields["role"]).choices,
     })
 
 
@@ -240,7 +242,8 @@ def member_role(request: HttpRequest, access: OrgAccess, member_id: int) -> Http
 def invitation_accept(request: HttpRequest, token: str) -> HttpResponse:
     if request.method == "POST":
         try:
-            membership = services.invitation_accept(token=token, user=request.user)
+            membership = services.invitation_accept(token=token,
+                                                    user=cast(User, request.user))  # signed in
         except DomainError as exc:
             messages.error(request, exc.message)
             return redirect("console:dashboard")
@@ -293,4 +296,5 @@ def invoice_document(request: HttpRequest, access: OrgAccess, invoice_id: str,
         response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
         return response
     return HttpResponse(rendering.invoice_html(invoice, access.organization,
-                                               csp_nonce=str(request.csp_nonce)))
+                                               # set by django-csp's middleware
+                                               csp_nonce=str(request.csp_nonce)))  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from celery import shared_task
 from billing_platform.invoicing import services
 
 # Late ack + requeue on worker loss: every task here checks state before acting.
-SAFE = {"acks_late": True, "reject_on_worker_lost": True}
+SAFE: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
 # Only Stripe's transient errors are retried (with backoff); a decline is an outcome, not an
 # error, and anything else must surface.
 STRIPE_TRANSIENT = (stripe.APIConnectionError, stripe.RateLimitError)

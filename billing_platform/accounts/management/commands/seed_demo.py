@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import cast
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
@@ -86,7 +87,8 @@ class Command(BaseCommand):
             org = services.organization_create(name="Demo Org", owner=user)
             org.slug = DEMO_SLUG
             org.save(update_fields=["slug"])
-        return user, org, org.projects.order_by("created_at").first()
+        # organization_create made its default project: never None
+        return user, org, cast(Project, org.projects.order_by("created_at").first())
 
     def _rotate_key(self, user: User, project: Project) -> str:
         for old in ApiKey.objects.filter(project=project, name=DEMO_KEY_NAME,
