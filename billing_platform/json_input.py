@@ -18,7 +18,8 @@ from __future__ import annotations
 import codecs
 import json
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import IO, Any
 
 from django.conf import settings
 from rest_framework import parsers
@@ -71,8 +72,8 @@ def json_loads(raw: bytes | str) -> Any:
 class JSONParser(parsers.JSONParser):
     """DRF's JSON parser by the platform's rule (``json_loads``); what breaks it is a 400."""
 
-    def parse(self, stream: Any, media_type: str | None = None,
-              parser_context: dict[str, Any] | None = None) -> Any:
+    def parse(self, stream: IO[Any], media_type: str | None = None,
+              parser_context: Mapping[str, Any] | None = None) -> Any:
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:
             return json_loads(codecs.getreader(encoding)(stream).read())

@@ -21,3 +21,6 @@ urlpatterns = [
     path("console/", include("billing_platform.console.urls")),
     path("metrics", metrics_view, name="metrics"),
 ]
+
+# A URL no route matches: DRF's error shape under /api/, Django's page elsewhere.
+handler404 = "billing_platform.api.errors.not_found"

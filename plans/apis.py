@@ -438,6 +438,64 @@ class BudgetWriteSerializer(drf_serializers.Serializer[Any]):
                   "must resolve to public addresses only.")
 
 
+class LimitsRowSerializer(drf_serializers.Serializer[Any]):
+    """One scope's limits, as answered (``_limits_data``)."""
+
+    object = drf_serializers.CharField(default="quota.limits")
+    scope = drf_serializers.CharField()
+    project = drf_serializers.CharField(allow_null=True)
+    api_key = drf_serializers.CharField(allow_null=True)
+    usage_tier = drf_serializers.CharField(allow_null=True)
+    rpm = drf_serializers.IntegerField(allow_null=True)
+    tpm = drf_serializers.IntegerField(allow_null=True)
+    allowed_regions = drf_serializers.ListField(child=drf_serializers.CharField())
+
+
+class LimitsOverviewSerializer(drf_serializers.Serializer[Any]):
+    object = drf_serializers.CharField(default="quota.limits_overview")
+    effective = drf_serializers.DictField(help_text="usage_tier, rpm, tpm in force")
+    usage_tiers = drf_serializers.DictField(help_text="tier -> {rpm, tpm}")
+    # a field called data (DRF takes declared fields off the class; the stubs see .data)
+    data = LimitsRowSerializer(many=True)  # type: ignore[assignment]
+
+
+class BudgetSerializer(drf_serializers.Serializer[Any]):
+    """A budget and its state this period, as answered (``_budget_data``)."""
+
+    object = drf_serializers.CharField(default="budget")
+    id = drf_serializers.CharField()
+    scope = drf_serializers.CharField()
+    project = drf_serializers.CharField(allow_null=True)
+    amount = drf_serializers.DecimalField(max_digits=30, decimal_places=10)
+    currency = drf_serializers.CharField()
+    hard = drf_serializers.BooleanField()
+    thresholds = drf_serializers.ListField(child=drf_serializers.IntegerField())
+    alert_emails = drf_serializers.ListField(child=drf_serializers.EmailField())
+    webhook_url = drf_serializers.URLField(allow_null=True)
+    suspended = drf_serializers.BooleanField()
+    period_start = drf_serializers.DateTimeField()
+    spend = drf_serializers.DecimalField(max_digits=30, decimal_places=10)
+    reserved = drf_serializers.DecimalField(max_digits=30, decimal_places=10)
+    percent_used = drf_serializers.DecimalField(max_digits=30, decimal_places=10)
+    webhook_secret = drf_serializers.CharField(
+        required=False, help_text="to members who may change the budget")
+
+
+class QuotaAuditRowSerializer(drf_serializers.Serializer[Any]):
+    action = drf_serializers.CharField()
+    subject = drf_serializers.CharField()
+    details = drf_serializers.JSONField(allow_null=True)
+    created_at = drf_serializers.DateTimeField()
+
+
+class ResidencyViolationSerializer(drf_serializers.Serializer[Any]):
+    request_id = drf_serializers.CharField()
+    organization_id = drf_serializers.IntegerField()
+    region = drf_serializers.CharField()
+    data_zone = drf_serializers.CharField()
+    event_time = drf_serializers.DateTimeField()
+
+
 def _limits_data(row: Any) -> dict[str, Any]:
     return {"object": "quota.limits", "scope": row.scope,
             "project": row.project.public_id if row.project_id else None,
@@ -472,7 +530,7 @@ class OrgLimitsApi(PlansOrgView):
 
     permission_for = {"GET": "read", "PUT": "org.write"}
 
-    @extend_schema(responses=LimitsSerializer)
+    @extend_schema(responses=LimitsOverviewSerializer)
     def get(self, request: Request, org_id: str) -> Response:
         rows = limits.limits_rows_of(organization=self.org)
         org_row = next((r for r in rows if r.scope == "organization"), None)
@@ -487,7 +545,7 @@ class OrgLimitsApi(PlansOrgView):
                                          for k, v in limits.USAGE_TIERS.items()},
                          "data": [_limits_data(r) for r in rows]})
 
-    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    @extend_schema(request=LimitsSerializer, responses=LimitsRowSerializer)
     def put(self, request: Request, org_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -499,7 +557,7 @@ class OrgLimitsApi(PlansOrgView):
 class ProjectLimitsApi(OrgScopedView):
     permission_for = {"PUT": "projects.write", "DELETE": "projects.write"}
 
-    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    @extend_schema(request=LimitsSerializer, responses=LimitsRowSerializer)
     def put(self, request: Request, org_id: str, project_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -511,6 +569,7 @@ class ProjectLimitsApi(OrgScopedView):
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, org_id: str, project_id: str) -> Response:
         limits.quota_limit_delete(organization=self.org, project=self.project(project_id),
                                   acting_user=request.user)
@@ -523,7 +582,7 @@ class KeyLimitsApi(OrgScopedView):
     def key(self, project_id: str, key_id: str) -> ApiKey:
         return get_object_or_404(ApiKey, project=self.project(project_id), public_id=key_id)
 
-    @extend_schema(request=LimitsSerializer, responses=LimitsSerializer)
+    @extend_schema(request=LimitsSerializer, responses=LimitsRowSerializer)
     def put(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
         body = LimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -534,6 +593,7 @@ class KeyLimitsApi(OrgScopedView):
                                      acting_user=request.user, **body.validated_data)
         return Response(_limits_data(row))
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, org_id: str, project_id: str, key_id: str) -> Response:
         limits.quota_limit_delete(organization=self.org, api_key=self.key(project_id, key_id),
                                   acting_user=request.user)
@@ -555,12 +615,12 @@ class BudgetApi(OrgScopedView):
             raise NotFound("No budget is set here.")
         return budget
 
-    @extend_schema(responses=BudgetWriteSerializer)
+    @extend_schema(responses=BudgetSerializer)
     def get(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
         return Response(_budget_data(self._budget(project_id),
                                      with_secret=self.access.can("org.write")))
 
-    @extend_schema(request=BudgetWriteSerializer, responses=BudgetWriteSerializer)
+    @extend_schema(request=BudgetWriteSerializer, responses=BudgetSerializer)
     def put(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
         body = BudgetWriteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -568,6 +628,7 @@ class BudgetApi(OrgScopedView):
                                    actor=request.user, **body.validated_data)
         return Response(_budget_data(budget, with_secret=True))
 
+    @extend_schema(responses={204: None})
     def delete(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
         quotas.budget_delete(budget=self._budget(project_id), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -579,6 +640,7 @@ class QuotaAuditApi(OrgScopedView):
 
     permission_for = {"GET": "read"}
 
+    @extend_schema(responses=QuotaAuditRowSerializer(many=True))
     def get(self, request: Request, org_id: str) -> Response:
         rows = quota_audit_events(organization=self.org)[:200]
         return Response({"object": "list", "data": [
@@ -589,6 +651,7 @@ class QuotaAuditApi(OrgScopedView):
 class ResidencyAuditApi(APIView):
     """Staff only: usage events that ran outside their organization's data zone (expect none)."""
 
+    @extend_schema(responses=ResidencyViolationSerializer(many=True))
     def get(self, request: Request) -> Response:
         if not is_staff(request.user):
             raise exceptions.PermissionDenied("Only Tollgate staff can read this.")
