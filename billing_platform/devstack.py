@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from billing_platform import env as E
-from billing_platform.celery import QUEUES
+from billing_platform.celery import Queues
 from billing_platform.embedded import EmbeddedPostgres, EmbeddedRedis
 
 COLOURS = {"web": "36", "worker": "33", "batch": "34", "beat": "35", "fleet": "32", "tollgate": "1"}
@@ -42,8 +42,8 @@ class Services:
     def ensure(self) -> dict[str, str]:
         """Start whatever is not configured; return the environment the children need."""
         urls = {}
-        if os.environ.get("DATABASE_URL"):
-            urls["DATABASE_URL"] = os.environ["DATABASE_URL"]
+        if E.DATABASE_URL_SET:
+            urls["DATABASE_URL"] = E.DATABASE_URL
             say("PostgreSQL: using DATABASE_URL")
         else:
             pg = EmbeddedPostgres(E.STATE_DIR / "pgdata", E.EMBEDDED_PG_PORT)
@@ -55,8 +55,8 @@ class Services:
             else:
                 say(f"PostgreSQL: reusing the embedded server on 127.0.0.1:{pg.port}")
             urls["DATABASE_URL"] = pg.url
-        if os.environ.get("REDIS_URL"):
-            urls["REDIS_URL"] = os.environ["REDIS_URL"]
+        if E.REDIS_URL_SET:
+            urls["REDIS_URL"] = E.REDIS_URL
             say("Redis: using REDIS_URL")
         else:
             redis = EmbeddedRedis(E.STATE_DIR / "redis", E.EMBEDDED_REDIS_PORT)
@@ -120,11 +120,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
                     "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "off",
                     "--no-access-log" if args.quiet else "--access-log"],
-            "worker": [*celery, "worker", "-Q", ",".join(q for q in QUEUES if q != "batch"),
+            "worker": [*celery, "worker", "-Q",
+                       ",".join(q for q in Queues if q != Queues.BATCH),
                        "--concurrency", "2", "-l", "INFO", "-n", "tollgate@%h"],
             # batch lines run only on CPU nothing else wants (see background_priority)
-            "batch": [*celery, "worker", "-Q", "batch", "--concurrency", "1", "-l", "INFO",
-                      "-n", "tollgate-batch@%h"],
+            "batch": [*celery, "worker", "-Q", Queues.BATCH.value, "--concurrency", "1",
+                      "-l", "INFO", "-n", "tollgate-batch@%h"],
             "beat": [*celery, "beat", "-l", "INFO", "-s",
                      str(E.STATE_DIR / "celerybeat-schedule")],
             # the usage stream consumer: a long-lived loop, see metering/ingest.py for why

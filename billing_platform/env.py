@@ -29,6 +29,10 @@ DATABASE_URL: str = env.str(
     "DATABASE_URL", default=f"postgres://postgres@127.0.0.1:{EMBEDDED_PG_PORT}/tollgate"
 )
 REDIS_URL: str = env.str("REDIS_URL", default=f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
+# Whether the environment names the servers itself: the devstack starts an embedded server only
+# for the one it does not.
+DATABASE_URL_SET: bool = bool(env.str("DATABASE_URL", default=""))
+REDIS_URL_SET: bool = bool(env.str("REDIS_URL", default=""))
 
 
 def _secret(name: str, *, dev_default: str) -> str:
@@ -149,8 +153,14 @@ BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTI
 # worker share a machine, the CPU is part of the spare capacity batch may use. 1.0 turns the
 # check off (a worker on a host of its own never comes near it).
 BATCH_HOST_CPU_CEILING: float = env.float("TOLLGATE_BATCH_HOST_CPU_CEILING", default=0.75)
-# Beat period of the batch sweep (expiry, cancellation, restarting orphaned batches).
+# Beat periods (seconds) of the periodic tasks whose period a deployment or a test may change;
+# the schedule itself is in billing_platform/celery.py. The batch sweep expires, cancels and
+# restarts orphaned batches.
 BATCH_SWEEP_S: float = env.float("TOLLGATE_BATCH_SWEEP_S", default=15.0)
+LAST_USED_FLUSH_S: float = env.float("TOLLGATE_LAST_USED_FLUSH_S", default=30.0)
+BUDGET_SWEEP_S: float = env.float("TOLLGATE_BUDGET_SWEEP_S", default=60.0)
+FLEET_HEALTH_S: float = env.float("TOLLGATE_FLEET_HEALTH_S", default=5.0)
+PERIOD_CLOSE_S: float = env.float("TOLLGATE_PERIOD_CLOSE_S", default=900.0)
 
 # Gateway and quotas (see billing_platform/settings.py for what each means).
 GATEWAY_DEFAULT_MAX_TOKENS: int = env.int("TOLLGATE_DEFAULT_MAX_TOKENS", default=4096)
@@ -168,3 +178,7 @@ WEBHOOK_ALLOW_PRIVATE_ADDRESSES: bool = env.bool("TOLLGATE_WEBHOOK_ALLOW_PRIVATE
 # at most an hour apart): the defaults keep trying for up to six hours.
 BUDGET_WEBHOOK_MAX_RETRIES: int = env.int("TOLLGATE_BUDGET_WEBHOOK_MAX_RETRIES", default=12)
 BUDGET_WEBHOOK_BACKOFF_S: int = env.int("TOLLGATE_BUDGET_WEBHOOK_BACKOFF_S", default=30)
+
+# Fault injection for the ingest fault tests (metering/faults.py): ``<point>:<n>`` stalls the
+# n-th pass through a named point of the ingest path; empty, nothing stalls.
+INGEST_STALL_AT: str = env.str("TOLLGATE_INGEST_STALL_AT", default="")

@@ -196,11 +196,10 @@ SPECTACULAR_SETTINGS = {
     },
 }
 
-# Celery: queues as in DESIGN.md; delivery options are declared once, on each task.
+# Celery: the broker and where beat keeps its state; queues, routes, every task's delivery
+# options and the beat schedule are declared once, in billing_platform/celery.py.
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_DEFAULT_QUEUE = "metering"
 CELERY_BEAT_SCHEDULE_FILENAME = str(E.STATE_DIR / "celerybeat-schedule")
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

@@ -1,4 +1,5 @@
-"""Celery tasks of the fleet (queue ``fleet``)."""
+"""Celery tasks of the fleet (queue ``fleet``). Delivery options are the Celery app's
+defaults (late ack, requeued on worker loss), so nothing here imports the platform."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from engine_adapter import services
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="fleet.health_check", acks_late=True, reject_on_worker_lost=True,
-             ignore_result=True, expires=30)
+@shared_task(name="fleet.health_check")
 def fleet_health_check() -> dict[str, str]:
     """Probe engines, record load, restart crashed engines Tollgate launched."""
     states = services.fleet_health_check()

@@ -12,10 +12,9 @@ import sys
 import time
 from collections import Counter
 
-from billing_platform.env import env
+from billing_platform import env
 
-_SPEC = env.str("TOLLGATE_INGEST_STALL_AT", default="")
-_POINT, _, _NTH = _SPEC.partition(":")
+_POINT, _, _NTH = env.INGEST_STALL_AT.partition(":")
 _passes: Counter[str] = Counter()
 
 

@@ -16,8 +16,7 @@ from plans import quotas, webhooks
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="plans.budget_sweep", acks_late=True, reject_on_worker_lost=True,
-             ignore_result=True)
+@shared_task(name="plans.budget_sweep")
 def budget_sweep() -> dict[str, Any]:
     """Reconcile budgets' Redis counters with PostgreSQL, fire alerts, suspend or reinstate."""
     results = quotas.budget_sweep()
@@ -27,8 +26,7 @@ def budget_sweep() -> dict[str, Any]:
     return results
 
 
-@shared_task(name="plans.budget_reconcile", acks_late=True, reject_on_worker_lost=True,
-             ignore_result=True)
+@shared_task(name="plans.budget_reconcile")
 def budget_reconcile(budget_id: int) -> dict[str, Any] | None:
     """Reconcile one budget now (enqueued after a budget changes)."""
     from plans.models import Budget

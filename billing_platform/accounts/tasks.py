@@ -11,8 +11,7 @@ from billing_platform.accounts import services
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="accounts.flush_api_key_last_used", acks_late=True,
-             reject_on_worker_lost=True, ignore_result=True)
+@shared_task(name="accounts.flush_api_key_last_used")
 def flush_api_key_last_used() -> int:
     """Copy API keys' last-used times from Redis to PostgreSQL."""
     count = services.api_key_last_used_flush()

@@ -1,6 +1,7 @@
 """Celery tasks of the Batch API (queue ``batch``): thin wrappers around the batch services.
 
-Delivery: ``acks_late`` with ``reject_on_worker_lost`` so a killed worker's task comes back;
+Delivery (the Celery app's defaults, ``billing_platform.celery``): ``acks_late`` with
+``reject_on_worker_lost`` so a killed worker's task comes back;
 every task checks the batch's state first, so running one twice is harmless (line claims are
 leased, results conditional). The beat sweep restarts any batch whose runner went silent, so
 progress never depends on a message surviving.
@@ -14,10 +15,8 @@ from billing_platform.gateway.batch import runner
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchStatus
 
-OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
 
-
-@shared_task(name="batch.start", **OPTIONS)
+@shared_task(name="batch.start")
 def batch_start(batch_id: int) -> str | None:
     """Validate a new batch and start running it."""
     batch = batch_services.batch_validate(batch_id=batch_id)
@@ -26,7 +25,7 @@ def batch_start(batch_id: int) -> str | None:
     return batch.status if batch else None
 
 
-@shared_task(name="batch.run", **OPTIONS)
+@shared_task(name="batch.run")
 def batch_run(batch_id: int) -> str:
     """Run one time slice of a batch; enqueue the next slice while lines remain."""
     why = runner.batch_run(batch_id=batch_id)
@@ -36,7 +35,7 @@ def batch_run(batch_id: int) -> str:
     return why
 
 
-@shared_task(name="batch.sweep", **OPTIONS, expires=60)
+@shared_task(name="batch.sweep")
 def batch_sweep() -> dict[str, int]:
     """Expire, finish and restart batches (beat)."""
     return batch_services.batch_sweep()

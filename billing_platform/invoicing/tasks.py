@@ -1,4 +1,6 @@
-"""Celery tasks of invoicing: thin, idempotent, delivery options declared once."""
+"""Celery tasks of invoicing: thin, idempotent; delivery options are the Celery app's
+(``billing_platform.celery``: late ack, requeued on worker loss, as every task here checks
+state before acting)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,12 @@ from celery import shared_task
 
 from billing_platform.invoicing import services
 
-# Late ack + requeue on worker loss: every task here checks state before acting.
-SAFE: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True}
 # Only Stripe's transient errors are retried (with backoff); a decline is an outcome, not an
 # error, and anything else must surface.
 STRIPE_TRANSIENT = (stripe.APIConnectionError, stripe.RateLimitError)
 
 
-@shared_task(name="invoicing.period_close", **SAFE)
+@shared_task(name="invoicing.period_close")
 def period_close_task() -> dict[str, Any]:
     """Invoice every organization whose billing period has ended."""
     report = services.period_close_run()
@@ -25,13 +25,13 @@ def period_close_task() -> dict[str, Any]:
 
 
 @shared_task(name="invoicing.charge", autoretry_for=STRIPE_TRANSIENT, retry_backoff=5,
-             retry_backoff_max=600, retry_jitter=True, max_retries=10, **SAFE)
+             retry_backoff_max=600, retry_jitter=True, max_retries=10)
 def invoice_charge_task(invoice_id: int) -> str:
     """Charge one invoice (never twice: see ``services.invoice_charge``)."""
     return services.invoice_charge(invoice_id=invoice_id)
 
 
-@shared_task(name="invoicing.dunning", **SAFE)
+@shared_task(name="invoicing.dunning")
 def dunning_task() -> int:
     """Enqueue a charge for every invoice whose dunning retry is due."""
     due = services.invoices_dunning_run()
@@ -41,13 +41,13 @@ def dunning_task() -> int:
 
 
 @shared_task(name="invoicing.payments_sync", autoretry_for=STRIPE_TRANSIENT, retry_backoff=30,
-             max_retries=5, **SAFE)
+             max_retries=5)
 def payments_sync_task() -> int:
     """Settle attempts whose webhook never arrived by reading the PaymentIntent."""
     return services.payments_sync()
 
 
-@shared_task(name="invoicing.billing_invariant", **SAFE)
+@shared_task(name="invoicing.billing_invariant")
 def billing_invariant_task() -> dict[str, Any]:
     """Check that every organization's rated usage is billed once; log and publish the rest."""
     from billing_platform.invoicing.invariants import billing_invariant_report

@@ -8,10 +8,11 @@ accepting the SGLang flags that change nothing here) lets a pool switch between 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from engine_adapter import conf
 
 
 @dataclass
@@ -132,8 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         seed=args.seed,
         low_priority_values_first=args.schedule_low_priority_values_first,
         log_level=args.log_level,
-        # read from the environment, as SGLang reads it
-        health_check_timeout_s=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or 20),
+        health_check_timeout_s=conf.sim_health_check_timeout_s(),
         faults=Faults(
             error_rate=args.error_rate,
             stall_s=args.stall_s,
