@@ -69,10 +69,10 @@ async def _run(keys: list[str], args: list[object]) -> int:
     if _sha is None:
         _sha = await connection.execute("SCRIPT", "LOAD", ACQUIRE_LUA)
     try:
-        return await connection.execute("EVALSHA", _sha, len(keys), *keys, *args)
+        return int(await connection.execute("EVALSHA", _sha, len(keys), *keys, *args))
     except NoScriptError:  # Redis lost its script cache (a restart): nothing ran
         _sha = await connection.execute("SCRIPT", "LOAD", ACQUIRE_LUA)
-        return await connection.execute("EVALSHA", _sha, len(keys), *keys, *args)
+        return int(await connection.execute("EVALSHA", _sha, len(keys), *keys, *args))
 
 
 async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
