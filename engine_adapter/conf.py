@@ -32,6 +32,12 @@ def fleet_refresh_s() -> float:
     return float(os.environ.get("TOLLGATE_FLEET_REFRESH_S", "2"))
 
 
+def fleet_max_stale_s() -> float:
+    """Return how old a process's fleet view may grow while PostgreSQL cannot be read
+    (``TOLLGATE_FLEET_MAX_STALE_S``): past it, requests get a 503 instead of an old view."""
+    return float(os.environ.get("TOLLGATE_FLEET_MAX_STALE_S", "300"))
+
+
 def router_policy() -> str:
     """Return the routing policy of the gateway's router (``TOLLGATE_ROUTER_POLICY``)."""
     return os.environ.get("TOLLGATE_ROUTER_POLICY", "cache_aware")
@@ -56,9 +62,3 @@ def engine_start_timeout_s() -> float:
     """Return how long a starting engine's failed probes are not counted
     (``TOLLGATE_ENGINE_START_TIMEOUT_S``): real SGLang loads its model for minutes."""
     return float(os.environ.get("TOLLGATE_ENGINE_START_TIMEOUT_S", "600"))
-
-
-def sim_health_check_timeout_s() -> float:
-    """Return how long the simulator's ``/health_generate`` waits for its probe before a 503
-    (``SGLANG_HEALTH_CHECK_TIMEOUT``: the simulator reads the variable real SGLang reads)."""
-    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or 20)

@@ -1,13 +1,25 @@
 """Engines' metrics both ways: parse an engine's Prometheus /metrics into the load figures the
 router uses, and export each engine's health and load (as the health task last recorded them)
-on the platform's ``/metrics`` (``EngineCollector``, read at scrape time).
+on the platform's ``/metrics`` (``EngineCollector``, read at scrape time); plus how fresh each
+web process's view of the fleet is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# The web process's fleet view (``registry.Fleet``): alert on ``time() - this`` growing past
+# TOLLGATE_FLEET_REFRESH_S (PostgreSQL unreadable; the last good view is being served).
+FLEET_VIEW_REFRESHED = Gauge(
+    "tollgate_fleet_view_refreshed_timestamp_seconds",
+    "When this process last read the fleet from PostgreSQL (Unix time); the oldest of the "
+    "live processes.", multiprocess_mode="livemin")
+FLEET_VIEW_REFRESH_FAILURES = Counter(
+    "tollgate_fleet_view_refresh_failures",
+    "Reads of the fleet from PostgreSQL that failed (the last good view was kept).")
 
 NAMES = {
     "sglang:num_running_reqs": "running",
