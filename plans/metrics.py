@@ -19,6 +19,9 @@ ADMISSION_SECONDS = Histogram(
     "Time to admit a request (rate limits, budget reservation, capacity, plan: one Redis "
     "step), by outcome: admitted, rejected (429), error (Redis failed).", ["outcome"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+POLICY_RELOAD_FAILURES = Counter(
+    "tollgate_quota_policy_reload_failures",
+    "Reloads of a cached quota policy from PostgreSQL that failed (the cached one was kept).")
 BUDGET_WEBHOOKS = Counter(
     "tollgate_budget_alert_webhooks_total",
     "Budget-alert webhook delivery attempts, by outcome: delivered (2xx), failed (another "

@@ -35,7 +35,7 @@ from plans.admission.decision import (
     spend_limit_error,
 )
 from plans.admission.policy import QuotaExceeded, QuotaPolicy, rate_key, window_key
-from plans.metrics import timed_admission
+from plans.metrics import POLICY_RELOAD_FAILURES, timed_admission
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
 # How long past its TTL a policy may still be served while its reload runs; older than that,
 # a request waits for the reload (a key idle for a while gets no stale limits).
 POLICY_STALE_S = 30.0
+# How old a policy may still be served while its reloads fail (PostgreSQL down); past that the
+# reload's error reaches the request (the gateway answers 503), as it does with nothing cached.
+POLICY_OUTAGE_STALE_S = 300.0
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -57,12 +60,17 @@ class _Reloading(Generic[K, V]):
     a change (limits, budgets, suspension) takes effect within the TTL plus one reload. Past
     ``POLICY_STALE_S`` more, or when nothing is cached, the request waits for the reload.
     A reload that fails leaves the old value in place and is tried again by the next request.
+
+    While reloads fail (PostgreSQL down), a value up to ``POLICY_OUTAGE_STALE_S`` old is served
+    without waiting, one reload per key at a time retrying; the outage is logged when it starts
+    and when it ends, and each failed reload counts in ``tollgate_quota_policy_reload_failures``.
     """
 
     def __init__(self, load: Callable[..., V]) -> None:
         self.load = load
         self.items: dict[K, tuple[float, V]] = {}
         self.loading: dict[K, asyncio.Task[V]] = {}
+        self.failing_since: float | None = None
 
     async def get(self, key: K, **kwargs: Any) -> V:
         now = time.monotonic()
@@ -74,9 +82,16 @@ class _Reloading(Generic[K, V]):
         if task is None or task.get_loop() is not loop:
             task = self.loading[key] = loop.create_task(self._reload(key, kwargs))
             task.add_done_callback(self._done)
-        if hit is not None and now - hit[0] < POLICY_TTL_S + POLICY_STALE_S:
+        if hit is not None and now - hit[0] < POLICY_TTL_S + (
+                POLICY_STALE_S if self.failing_since is None else POLICY_OUTAGE_STALE_S):
             return hit[1]
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            if hit is not None and time.monotonic() - hit[0] < (
+                    POLICY_TTL_S + POLICY_OUTAGE_STALE_S):
+                return hit[1]
+            raise
 
     async def _reload(self, key: K, kwargs: dict[str, Any]) -> V:
         started = time.monotonic()
@@ -90,10 +105,21 @@ class _Reloading(Generic[K, V]):
         self.items[key] = (started, value)
         return value
 
-    @staticmethod
-    def _done(task: asyncio.Task[V]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("quota policy reload failed: %r", task.exception())
+    def _done(self, task: asyncio.Task[V]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            if self.failing_since is not None:
+                log.warning("quota policy reloads succeed again after %.1f s of failures",
+                            time.monotonic() - self.failing_since)
+                self.failing_since = None
+            return
+        POLICY_RELOAD_FAILURES.inc()
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+            log.warning("quota policy reload failed (%r): serving cached policies up to "
+                        "%.0f s old until reloads succeed", exc, POLICY_OUTAGE_STALE_S)
 
 
 def _load_limits(**kwargs: int) -> Limits:
