@@ -62,3 +62,9 @@ def engine_start_timeout_s() -> float:
     """Return how long a starting engine's failed probes are not counted
     (``TOLLGATE_ENGINE_START_TIMEOUT_S``): real SGLang loads its model for minutes."""
     return float(os.environ.get("TOLLGATE_ENGINE_START_TIMEOUT_S", "600"))
+
+
+def sim_health_check_timeout_s() -> float:
+    """Return how long the simulator's ``/health_generate`` waits for its probe before a 503
+    (``SGLANG_HEALTH_CHECK_TIMEOUT``: the simulator reads the variable real SGLang reads)."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or 20)
