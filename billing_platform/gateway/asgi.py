@@ -19,9 +19,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
+from django.db import DatabaseError
 from django.http import HttpResponseBase
 from django.urls import Resolver404, get_resolver
 
+from billing_platform.gateway import db_connections
 from billing_platform.gateway.errors import GatewayError
 from billing_platform.gateway.metrics import request_observed
 
@@ -73,6 +75,7 @@ class GatewayASGI:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
+        db_connections.install()  # no request signals here: its executor checks connections
         limit = settings.GATEWAY_MAX_BODY_BYTES
         if scope["path"] == "/v1/files":  # batch file uploads (multipart): up to 200 MB
             limit = settings.FILES_MAX_BYTES + 1024 * 1024
@@ -96,6 +99,10 @@ class GatewayASGI:
             endpoint = match.url_name or "unknown"
             try:
                 response = await match.func(request, *match.args, **match.kwargs)
+            except DatabaseError as exc:  # PostgreSQL away and nothing cached would do: 503
+                error = db_connections.unavailable(exc)
+                response = GatewayError(error.status, error.message, code=error.code,
+                                        headers=error.headers).response()
             except Exception:
                 log.exception("unhandled error in %s", request.path_info)
                 response = GatewayError(500, "The server had an error while processing your "

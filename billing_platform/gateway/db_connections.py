@@ -1,0 +1,77 @@
+"""Database connections of the lean /v1 route, which fires no Django request signals.
+
+Django health-checks and recycles a thread's connection when a request starts and ends
+(``close_old_connections`` on ``request_started``/``request_finished``, with
+``CONN_HEALTH_CHECKS``). The lean route (``gateway/asgi.py``) sends no signals, and its database
+work runs in the event loop's default executor (``sync_to_async(..., thread_sensitive=False)``:
+the fleet view's refresh, admission policy reloads, key lookups that miss the cache). So a
+connection that a PostgreSQL restart had broken stayed in its thread for good, and /v1 failed
+until the process restarted. ``install`` gives the loop a default executor that runs every job
+between two ``close_old_connections()`` calls, as Django runs a request between its signals:
+a broken connection is dropped and the next job connects afresh, and ``CONN_MAX_AGE`` and
+``CONN_HEALTH_CHECKS`` mean what they mean for any Django request.
+
+``unavailable`` is the /v1 error when PostgreSQL is needed and nothing cached would do (a key
+not in the Redis key cache, a fleet view past ``TOLLGATE_FLEET_MAX_STALE_S``): a retryable 503
+in OpenAI's shape, never a 500, logged at most once every ``LOG_EVERY_S``, not per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, close_old_connections
+
+from billing_platform.errors import Unavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+LOG_EVERY_S = 60.0
+
+
+def _between_checks(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    close_old_connections()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        close_old_connections()
+
+
+class ConnectionCheckingExecutor(ThreadPoolExecutor):
+    """A thread pool whose every job runs between two ``close_old_connections()`` calls."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return super().submit(_between_checks, fn, *args, **kwargs)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def install() -> None:
+    """Make the running loop's default executor a ``ConnectionCheckingExecutor`` (once)."""
+    global _loop
+    loop = asyncio.get_running_loop()
+    if loop is _loop:
+        return
+    loop.set_default_executor(ConnectionCheckingExecutor(thread_name_prefix="gateway-db"))
+    _loop = loop
+
+
+_logged_at = float("-inf")
+
+
+def unavailable(exc: DatabaseError) -> Unavailable:
+    """Return the /v1 error for a request that needed PostgreSQL while it is unavailable."""
+    global _logged_at
+    now = time.monotonic()
+    if now - _logged_at > LOG_EVERY_S:
+        _logged_at = now
+        log.warning("PostgreSQL unavailable (%r): /v1 requests that need it answer 503 (said "
+                    "at most once every %.0f s)", exc, LOG_EVERY_S)
+    return Unavailable("The service is temporarily unavailable; retry shortly.",
+                       code="service_unavailable", headers={"retry-after": "1"})
