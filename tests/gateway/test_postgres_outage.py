@@ -118,13 +118,12 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
                    what="requests served after the restart")
 
         # when PostgreSQL stays away for longer than the fleet view may be stale
-        traffic.phase = "down"
+        traffic.phase = "stopping"
         pg.stop(mode="fast")
-        down_at = time.monotonic()
+        traffic.phase = "down"
         # then requests are served from the last good view, then answered 503
         wait_until(lambda: traffic.count("down", 503) >= 5, timeout=60,
                    what="503s once the fleet view is too old")
-        assert time.monotonic() - down_at >= MAX_STALE_S - 1
         assert traffic.count("down", 200) >= 1, "served from the last good view at first"
 
         # when it comes back, /v1 serves again within seconds
@@ -132,11 +131,10 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
         traffic.phase = "back"
         wait_until(lambda: traffic.count("back", 200) >= 20, timeout=30,
                    what="requests served after PostgreSQL returned")
-        # and a key the gateway never saw (a PostgreSQL lookup in an executor thread) works
+        # and a key the gateway never saw (a lookup in PostgreSQL, not the key cache) works
         fresh = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=unused_key,
                               max_retries=0, timeout=20)
-        for _ in range(8):  # more than one executor thread answers lookups
-            fresh.models.list()
+        assert [m.id for m in fresh.models.list()] == ["small"]
     finally:
         traffic.stop.set()
         thread.join(timeout=30)

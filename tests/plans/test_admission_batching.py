@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 import uuid
 from decimal import Decimal
 
@@ -15,7 +16,7 @@ import pytest
 
 from billing_platform.redis_conn import get_aredis
 from plans import admission
-from plans.admission.runtime import _Reloading
+from plans.admission.runtime import POLICY_OUTAGE_STALE_S, _Reloading
 from plans.pricing import ModelPricing, PriceSet
 
 
@@ -242,6 +243,36 @@ def test_a_failed_reload_keeps_serving_the_old_policy_and_is_tried_again():
         return seen
 
     assert asyncio.run(run()) == ["old", "old", "old", "new"]
+
+
+def test_while_reloads_fail_a_policy_is_served_up_to_the_outage_bound_then_the_error():
+    # given a cached policy whose reloads fail (PostgreSQL down)
+    answers = iter(["old", *([RuntimeError("database down")] * 5)])
+
+    def load(**kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    cache = _Reloading(load)
+
+    def age(seconds: float) -> None:
+        cache.items["k"] = (time.monotonic() - seconds, "old")
+
+    async def run() -> list:
+        seen = [await cache.get("k")]
+        # when it is past the age at which a request would wait for its reload
+        age(admission.POLICY_TTL_S + admission.POLICY_STALE_S + 1)
+        seen.append(await cache.get("k"))  # the awaited reload failed: the old one is kept
+        seen.append(await cache.get("k"))  # in the outage, no request waits
+        # then past the outage bound the reload's error reaches the request
+        age(admission.POLICY_TTL_S + POLICY_OUTAGE_STALE_S + 1)
+        with pytest.raises(RuntimeError, match="database down"):
+            await cache.get("k")
+        return seen
+
+    assert asyncio.run(run()) == ["old", "old", "old"]
 
 
 def test_settlement_gives_back_unused_tokens_to_every_bucket():
