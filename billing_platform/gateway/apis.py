@@ -23,6 +23,7 @@ from billing_platform.gateway import services
 from billing_platform.gateway.errors import GatewayError, invalid
 from billing_platform.gateway.validation import parse_chat, parse_completion
 from metering.events import new_request_id
+from plans import concurrency
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -44,6 +45,11 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
                 if not principal.has_scope(scope):
                     raise GatewayError(403, f"This API key lacks the '{scope}' scope.",
                                        code="insufficient_scope")
+                # one of the org's in-flight slots, held until the response is sent or the
+                # client goes (gateway/asgi.py releases it; a stream holds it to its end)
+                request.in_flight = await concurrency.aacquire(
+                    org_id=principal.org_id, request_id=request_id,
+                    limit=concurrency.limit_of(principal.max_concurrent_requests))
                 response = await view(request, principal, request_id, *args, **kwargs)
             except GatewayError as exc:
                 response = exc.response(request_id)

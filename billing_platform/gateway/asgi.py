@@ -26,6 +26,7 @@ from django.urls import Resolver404, get_resolver
 from billing_platform.gateway import db_connections
 from billing_platform.gateway.errors import GatewayError
 from billing_platform.gateway.metrics import request_observed
+from plans import concurrency
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,15 @@ class GatewayASGI:
                 response = GatewayError(500, "The server had an error while processing your "
                                              "request.", code="internal_error").response()
         request_observed(endpoint, response, time.perf_counter() - t0)
-        sender = asyncio.create_task(_send_response(response, send))
-        watcher = asyncio.create_task(_wait_disconnect(receive))
-        await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (watcher, sender):
-            if not task.done():
-                task.cancel()  # a disconnect cancels the stream: the engine call is aborted
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await task
+        try:
+            sender = asyncio.create_task(_send_response(response, send))
+            watcher = asyncio.create_task(_wait_disconnect(receive))
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (watcher, sender):
+                if not task.done():
+                    task.cancel()  # a disconnect cancels the stream: the engine call is aborted
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+        finally:
+            # sent, or the client went: the organization's in-flight slot is free again
+            await concurrency.arelease(getattr(request, "in_flight", None))

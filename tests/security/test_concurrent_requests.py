@@ -1,0 +1,162 @@
+"""Hostile tenants against the shared gateway: one organization cannot hold more requests in
+flight at once than its limit, whatever else it does. A slot is held from authentication to the
+response's end (a stream to its last byte, or to the client's disconnect), other organizations
+are not touched by one at its limit, staff can give an organization a limit of its own, and a
+gateway that dies holding slots cannot lock an organization out: they lapse with their lease.
+
+A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from billing_platform.redis_conn import get_redis
+from engine_adapter.sim.testing import start_sim
+from plans.admission.policy import inflight_key
+from tests.conftest import wait_until
+from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
+from tests.gateway.conftest import LiveGateway, register_engine, start_gateway, stop_gateway
+
+
+@pytest.fixture
+def slow_gateway(transactional_db, tmp_path, metering_stream
+                 ) -> Iterator[Callable[..., LiveGateway]]:
+    """Start live gateways (with extra settings) in front of one slow engine of ``slow``."""
+    make_price_book(prices=[{"model": "slow", "input": "0.50", "output": "1.50"}])
+    sim = start_sim(served_model_name="slow", prefill_tokens_per_s=10_000_000,
+                    decode_tokens_per_s=20)
+    register_engine(sim, pool="slow-us", region="us-east", zone="us")
+    started: list[LiveGateway] = []
+
+    def start(**env: str) -> LiveGateway:
+        gateway = start_gateway(tmp_path, env={**metering_stream, **env})
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        stop_gateway(gateway)
+    sim.stop()
+
+
+def _tenant(**org_fields) -> tuple[object, str]:
+    org = OrganizationFactory(**org_fields)
+    return org, make_key(project=ProjectFactory(organization=org))[1]
+
+
+def _ask(gateway: LiveGateway, secret: str) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {secret}"},
+                      json={"model": "slow", "max_tokens": 1,
+                            "messages": [{"role": "user", "content": "hi"}]})
+
+
+class Stream:
+    """A streaming request read up to its first chunk, then held open (its own connection)."""
+
+    def __init__(self, gateway: LiveGateway, secret: str, *, max_tokens: int) -> None:
+        self.client = httpx.Client(timeout=60)
+        request = self.client.build_request(
+            "POST", f"{gateway.url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {secret}"},
+            json={"model": "slow", "max_tokens": max_tokens, "stream": True,
+                  "messages": [{"role": "user", "content": "tell me a story"}]})
+        self.response = self.client.send(request, stream=True)
+        assert self.response.status_code == 200, self.response.read()
+        self.lines = self.response.iter_lines()
+        assert next(self.lines).startswith("data: ")
+
+    def read_to_end(self) -> list[str]:
+        rest = list(self.lines)
+        self.abort()
+        return rest
+
+    def abort(self) -> None:
+        self.response.close()
+        self.client.close()
+
+
+def _held(org) -> int:
+    return get_redis().zcard(inflight_key(org.id))
+
+
+def test_an_organization_cannot_hold_more_requests_in_flight_than_its_limit(slow_gateway):
+    # given a limit of 2 requests in flight per organization, and an organization staff
+    # limited to 1
+    gateway = slow_gateway(TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS="2")
+    greedy, greedy_key = _tenant()
+    small, small_key = _tenant(max_concurrent_requests=1)
+    _other, other_key = _tenant()
+
+    # when the greedy tenant holds 2 long streams open and asks a third time
+    streams = [Stream(gateway, greedy_key, max_tokens=2000) for _ in range(2)]
+    refused = _ask(gateway, greedy_key)
+
+    # then the third is refused at once, in OpenAI's shape, with a distinct code
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "too_many_concurrent_requests"
+    assert error["type"] == "rate_limit_error" and "limit of concurrent requests (2)" in (
+        error["message"])
+    assert refused.headers["retry-after"] == "1"
+    assert _held(greedy) == 2
+    # and other organizations are served meanwhile, each under its own limit
+    assert _ask(gateway, other_key).status_code == 200
+    held_by_small = Stream(gateway, small_key, max_tokens=2000)
+    assert _ask(gateway, small_key).json()["error"]["code"] == "too_many_concurrent_requests"
+    held_by_small.abort()
+
+    # when the greedy tenant drops one stream (a client disconnect)
+    streams[0].abort()
+
+    # then its slot is free again: the next request is served
+    wait_until(lambda: _held(greedy) == 1, timeout=10, what="the aborted stream's slot")
+    assert _ask(gateway, greedy_key).status_code == 200
+    streams[1].abort()
+    wait_until(lambda: _held(greedy) == 0 and _held(small) == 0, timeout=10,
+               what="every slot released")
+
+
+def test_a_stream_holds_its_slot_to_its_last_byte(slow_gateway):
+    # given a limit of 1, and a stream of 20 tokens (about a second at 20 tokens/s)
+    gateway = slow_gateway(TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS="1")
+    org, secret = _tenant()
+    stream = Stream(gateway, secret, max_tokens=20)
+
+    # when the tenant asks again while it streams, and again once it has read it all
+    during = _ask(gateway, secret)
+    rest = stream.read_to_end()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="the finished stream's slot")
+    after = _ask(gateway, secret)
+
+    # then the first is refused, the second served
+    assert [line for line in rest if line][-1] == "data: [DONE]"
+    assert during.status_code == 429
+    assert after.status_code == 200
+
+
+def test_slots_of_a_gateway_that_died_lapse_with_their_lease(slow_gateway):
+    # given two gateway processes whose slots live 10 s unless released, a limit of 2, and a
+    # tenant holding both through the first
+    env = {"TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS": "2", "TOLLGATE_ORG_CONCURRENCY_LEASE_S": "10"}
+    successor, crashed = slow_gateway(**env), slow_gateway(**env)
+    org, secret = _tenant()
+    streams = [Stream(crashed, secret, max_tokens=2000) for _ in range(2)]
+
+    # when the first gateway process is killed (it releases nothing)
+    os.kill(crashed.process.pid, signal.SIGKILL)
+    crashed.process.wait(timeout=10)
+    for stream in streams:
+        stream.abort()
+
+    # then its slots still count while their lease runs, and lapse after it
+    assert _held(org) == 2
+    assert _ask(successor, secret).status_code == 429
+    wait_until(lambda: _ask(successor, secret).status_code == 200, timeout=30,
+               what="the dead gateway's slots to lapse")
