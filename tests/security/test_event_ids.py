@@ -72,9 +72,10 @@ class Stack:
 def stack(transactional_db, tmp_path, settings, metering_stream) -> Iterator[Stack]:
     """A live gateway in front of a fast simulated engine (``small``) and a slow one."""
     settings.FILES_DIR = str(tmp_path / "files")
+    settings.BATCH_HOST_CPU_CEILING = 1.0  # the host's load is not what this test is about
     env = {**metering_stream, "TOLLGATE_FILES_DIR": settings.FILES_DIR,
            "TOLLGATE_BATCH_SWEEP_S": "0.5", "TOLLGATE_BATCH_LEASE_S": "3",
-           "TOLLGATE_FLEET_HEALTH_S": "3600"}
+           "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_BATCH_HOST_CPU_CEILING": "1.0"}
     make_price_book(prices=[{"model": m, "input": "0.50", "output": "1.50"}
                             for m in (MODEL, SLOW)])
     sims = [start_sim(served_model_name=MODEL, **FAST_RATES),

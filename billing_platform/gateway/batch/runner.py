@@ -220,14 +220,23 @@ class HostCpu:
 
     async def abusy(self) -> float | None:
         """Return ``busy()`` once the window is long enough to say something (a slice's
-        first probe waits out the rest of MIN_WINDOW_S rather than start lines blind)."""
-        if self.last is not None:
-            await asyncio.sleep(self.last[0] + self.MIN_WINDOW_S - time.monotonic())
+        first probe waits out the rest of MIN_WINDOW_S rather than start lines blind).
+
+        None only where there is nothing to read. A timer may fire a little early (uvloop
+        counts in whole milliseconds), and a window a hair short of MIN_WINDOW_S said None,
+        which the runner took as "no reading": it started lines on a host whose every core
+        was busy. The window is waited out until it says something."""
+        for _ in range(100):  # ~0.2 s at most past the window: /proc/stat ticks every 10 ms
+            if self.last is None:
+                break
+            await asyncio.sleep(max(0.0, self.last[0] + self.MIN_WINDOW_S - time.monotonic())
+                                + 0.002)
+            if (busy := self.busy()) is not None:
+                return busy
         return self.busy()
 
     def busy(self) -> float | None:
-        """Return the share of the CPU this process left that others kept busy since the last
-        answer (0..1), or
+        """Return the share of all CPUs others kept busy since the last answer (0..1), or
         None: no /proc/stat, or a window too short to say (it then goes on)."""
         now, last = self._read(), self.last
         if now is None or last is None:
@@ -236,14 +245,9 @@ class HostCpu:
         if now[0] - last[0] < self.MIN_WINDOW_S or now[1] <= last[1]:
             return None  # the window goes on
         self.last = now
-        idle = (now[2] - last[2]) / self.hz
-        others = max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / self.hz
-                     - (now[3] - last[3]))
-        # of the CPU this process left to others, the share they kept busy: judged against
-        # all the CPU, a worker that itself ran for part of a short window on a contended
-        # host made the host look idle (others' 2 cores less its own slice read as < 75 %)
-        left = others + idle
-        return min(1.0, others / left) if left > 0 else 1.0
+        cpu_s = (now[1] - last[1]) / self.hz
+        others = ((now[1] - last[1]) - (now[2] - last[2])) / self.hz - (now[3] - last[3])
+        return min(1.0, max(0.0, others / cpu_s))
 
 
 class _Pipeline:
