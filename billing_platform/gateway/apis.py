@@ -7,7 +7,6 @@ work (auth cache hit, validation, admission, relay, metering) stays on the event
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from functools import wraps
@@ -22,6 +21,7 @@ from billing_platform.accounts.selectors import KeyPrincipal, aapi_key_authentic
 from billing_platform.gateway import services
 from billing_platform.gateway.errors import GatewayError, invalid
 from billing_platform.gateway.validation import parse_chat, parse_completion
+from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 from plans import concurrency
 
@@ -87,7 +87,7 @@ def _json_body(request: HttpRequest) -> Any:
                                 f"{settings.GATEWAY_MAX_BODY_BYTES} bytes.",
                            code="request_too_large")
     try:
-        return json.loads(request.body)
+        return json_loads(request.body)
     except (ValueError, UnicodeDecodeError):
         raise invalid("We could not parse the JSON body of your request. Send valid "
                       "JSON with Content-Type: application/json.") from None

@@ -95,7 +95,7 @@ def _text_of(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or "type" not in part:
                 raise invalid(f"{where}[{i}] must be an object with a 'type'.", param=where)
-            field = TEXT_PARTS.get(part["type"])
+            field = TEXT_PARTS.get(part["type"]) if isinstance(part["type"], str) else None
             if field is None:
                 raise invalid(f"{where}[{i}]: content parts of type {part['type']!r} are not "
                               "supported by this model; send text parts only.",

@@ -6,7 +6,6 @@ keeps relaying interactive streams while a 200 MB upload is stored.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -19,6 +18,7 @@ from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.errors import invalid
 from billing_platform.gateway.models import Batch, StoredFile
+from billing_platform.json_input import json_loads
 
 MAX_LIMIT = 100
 
@@ -108,7 +108,7 @@ async def file_content(request: HttpRequest, principal: KeyPrincipal, request_id
 
 def _body(request: HttpRequest) -> dict[str, Any]:
     try:
-        body = json.loads(request.body or b"{}")
+        body = json_loads(request.body or b"{}")
     except ValueError:
         raise invalid("We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):

@@ -43,6 +43,7 @@ from billing_platform.gateway.models import (
     StoredFile,
 )
 from billing_platform.gateway.validation import parse_chat, parse_completion
+from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,11 @@ def batch_create(*, principal: KeyPrincipal, input_file_id: Any, endpoint: Any,
     """Create a batch in ``validating`` and enqueue its validation."""
     if not isinstance(input_file_id, str) or not input_file_id:
         raise invalid("'input_file_id' is required.", param="input_file_id")
-    if endpoint not in ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         raise invalid(f"Invalid endpoint {endpoint!r}; expected one of "
                       f"{', '.join(ENDPOINTS)}.", param="endpoint")
-    if completion_window not in settings.BATCH_COMPLETION_WINDOWS:
+    if (not isinstance(completion_window, str)
+            or completion_window not in settings.BATCH_COMPLETION_WINDOWS):
         raise invalid(f"Invalid completion_window {completion_window!r}; expected '24h'.",
                       param="completion_window")
     if metadata is not None and (
@@ -164,7 +166,7 @@ def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed
         if not raw.strip():
             continue
         try:
-            doc = json.loads(raw)
+            doc = json_loads(raw)
         except ValueError:
             errors.append(_line_error("invalid_json_line", "This line is not parseable as "
                                       "valid JSON.", number))
