@@ -2,7 +2,9 @@
 output and error files to download, and a cancel button (as OpenAI's dashboard offers).
 
 The API objects and rules are the gateway's (``gateway.batch.services``/``files``); these views
-only render them for a signed-in member and map its errors to console messages.
+only render them for a signed-in member. Their domain errors are answered by ``org_page``
+(another organization's batch or file is the 404 page); a batch that cannot be cancelled is a
+message on the batches page.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from django.views.decorators.http import require_POST
 
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console.views import org_page
+from billing_platform.errors import Conflict, InvalidRequest
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
-from billing_platform.gateway.errors import GatewayError
 
 PAGE_SIZE = 25
 
@@ -38,12 +40,10 @@ def batches(request: HttpRequest, access: OrgAccess) -> HttpResponse:
 @org_page("batches.write")
 @require_POST
 def batch_cancel(request: HttpRequest, access: OrgAccess, batch_id: str) -> HttpResponse:
+    batch = batch_services.batch_get(org_id=access.organization.pk, batch_id=batch_id)
     try:
-        batch = batch_services.batch_get(org_id=access.organization.pk, batch_id=batch_id)
         batch = batch_services.batch_cancel(batch=batch)
-    except GatewayError as exc:
-        if exc.status == 404:
-            raise Http404(exc.message) from exc
+    except Conflict as exc:
         messages.error(request, exc.message)
     else:
         messages.success(request, f"Batch {batch.public_id} is {batch.status}: lines not yet "
@@ -53,10 +53,10 @@ def batch_cancel(request: HttpRequest, access: OrgAccess, batch_id: str) -> Http
 
 @org_page()
 def batch_file(request: HttpRequest, access: OrgAccess, file_id: str) -> FileResponse:
+    file = files.file_get(org_id=access.organization.pk, file_id=file_id)
     try:
-        file = files.file_get(org_id=access.organization.pk, file_id=file_id)
         content = files.file_open(file)
-    except GatewayError as exc:
+    except InvalidRequest as exc:  # gone from storage: there is nothing to download
         raise Http404(exc.message) from exc
     return FileResponse(content, as_attachment=True, filename=file.filename,
                         content_type="application/jsonl")

@@ -11,10 +11,12 @@ from typing import Any, cast
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import BadRequest, PermissionDenied
 from django.forms import ChoiceField
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from billing_platform.accounts import services
@@ -27,7 +29,7 @@ from billing_platform.accounts.selectors import (
     organizations_for_user,
 )
 from billing_platform.console import forms
-from billing_platform.errors import DomainError, NotFound
+from billing_platform.errors import DomainError, Forbidden, NotFound
 
 SESSION_ORG = "console_org"
 
@@ -60,11 +62,35 @@ def org_page(permission: str = "read") -> Callable:
             if not access.can(permission):
                 messages.error(request, f"Your role ({access.role}) cannot do that.")
                 return redirect("console:dashboard")
-            return view(request, access, *args, **kwargs)
+            try:
+                return view(request, access, *args, **kwargs)
+            except DomainError as exc:
+                return domain_error_page(request, exc)
 
         return wrapper
 
     return decorator
+
+
+def domain_error_page(request: HttpRequest, exc: DomainError) -> HttpResponse:
+    """Answer a domain error a page did not turn into a form error: the console's one place.
+
+    NotFound is the 404 page (another organization's id reads as nothing there), Forbidden the
+    403 page. Any other error of a form post goes back to the page the form was on, with the
+    message; on a page load it is the 400 page. No domain error is a 500.
+    """
+    if isinstance(exc, NotFound):
+        raise Http404(exc.message) from exc
+    if isinstance(exc, Forbidden):
+        raise PermissionDenied(exc.message) from exc
+    if request.method != "POST":
+        raise BadRequest(exc.message) from exc
+    messages.error(request, exc.message)
+    back = request.headers.get("referer", "")
+    if url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()},
+                                       require_https=request.is_secure()):
+        return redirect(back)
+    return redirect("console:dashboard")
 
 
 def signup(request: HttpRequest) -> HttpResponse:

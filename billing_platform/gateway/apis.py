@@ -18,8 +18,15 @@ from django.views.decorators.csrf import csrf_exempt
 
 from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.selectors import KeyPrincipal, aapi_key_authenticate
-from billing_platform.gateway import services
-from billing_platform.gateway.errors import GatewayError, invalid
+from billing_platform.errors import (
+    DomainError,
+    Forbidden,
+    InvalidRequest,
+    PayloadTooLarge,
+    Unauthenticated,
+)
+from billing_platform.gateway import pipeline, services
+from billing_platform.gateway.errors import MethodNotAllowed, openai_error
 from billing_platform.gateway.validation import parse_chat, parse_completion
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
@@ -29,7 +36,8 @@ View = Callable[..., Awaitable[HttpResponse]]
 
 
 def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("POST",)):
-    """Authenticate the bearer key, check scope and method, map errors to OpenAI's shape."""
+    """Authenticate the bearer key, check scope and method; answer any domain error the view
+    or a service raises in OpenAI's shape (the one place /v1 maps them)."""
 
     def decorator(view: View) -> View:
         @csrf_exempt
@@ -39,20 +47,19 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
             principal = None
             try:
                 if request.method not in methods:
-                    raise GatewayError(405, f"Method {request.method} not allowed.",
-                                       code="method_not_allowed")
+                    raise MethodNotAllowed(f"Method {request.method} not allowed.")
                 principal = await _authenticate(request)
                 if not principal.has_scope(scope):
-                    raise GatewayError(403, f"This API key lacks the '{scope}' scope.",
-                                       code="insufficient_scope")
+                    raise Forbidden(f"This API key lacks the '{scope}' scope.",
+                                    code="insufficient_scope")
                 # one of the org's in-flight slots, held until the response is sent or the
                 # client goes (gateway/asgi.py releases it; a stream holds it to its end)
                 request.in_flight = await concurrency.aacquire(
                     org_id=principal.org_id, request_id=request_id,
                     limit=concurrency.limit_of(principal.max_concurrent_requests))
                 response = await view(request, principal, request_id, *args, **kwargs)
-            except GatewayError as exc:
-                response = exc.response(request_id)
+            except DomainError as exc:
+                response = openai_error(exc, request_id)
             if principal is not None and "x-ratelimit-limit-requests" not in response:
                 # Not admitted (model lists, errors, refusals before admission): report the
                 # key's state as it is, like OpenAI does on every response.
@@ -68,29 +75,28 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
 async def _authenticate(request: HttpRequest) -> KeyPrincipal:
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer ") or not header[7:].strip():
-        raise GatewayError(401, "You didn't provide an API key. Provide it in the "
-                                "Authorization header as 'Bearer YOUR_KEY'.",
-                           code="missing_api_key")
+        raise Unauthenticated("You didn't provide an API key. Provide it in the "
+                              "Authorization header as 'Bearer YOUR_KEY'.",
+                              code="missing_api_key")
     # failures are counted per client address, and throttled (429) past a limit
     principal = await aapi_key_authenticate(header[7:],
                                             client_address=request.META.get("REMOTE_ADDR"))
     if principal is None:
-        raise GatewayError(401, "Incorrect, revoked or expired API key provided.",
-                           code="invalid_api_key")
+        raise Unauthenticated("Incorrect, revoked or expired API key provided.",
+                              code="invalid_api_key")
     return principal
 
 
 def _json_body(request: HttpRequest) -> Any:
     length = int(request.headers.get("Content-Length") or 0)
     if length > settings.GATEWAY_MAX_BODY_BYTES:
-        raise GatewayError(413, f"Request body of {length} bytes exceeds the limit of "
-                                f"{settings.GATEWAY_MAX_BODY_BYTES} bytes.",
-                           code="request_too_large")
+        raise PayloadTooLarge(f"Request body of {length} bytes exceeds the limit of "
+                              f"{settings.GATEWAY_MAX_BODY_BYTES} bytes.")
     try:
         return json_loads(request.body)
     except (ValueError, UnicodeDecodeError):
-        raise invalid("We could not parse the JSON body of your request. Send valid "
-                      "JSON with Content-Type: application/json.") from None
+        raise InvalidRequest("We could not parse the JSON body of your request. Send valid "
+                             "JSON with Content-Type: application/json.") from None
 
 
 async def _respond(served: services.Served) -> HttpResponse:
@@ -139,8 +145,7 @@ async def models(request: HttpRequest, principal: KeyPrincipal,
 async def model_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                        model_id: str) -> HttpResponse:
     if model_id not in await services.models_for(principal):
-        raise GatewayError(404, f"The model '{model_id}' does not exist or you do not have "
-                                "access to it.", code="model_not_found", param="model")
+        raise pipeline.model_not_found(model_id)
     response = JsonResponse(_model_object(model_id))
     response["x-request-id"] = request_id
     return response

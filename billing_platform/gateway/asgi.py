@@ -23,8 +23,9 @@ from django.db import DatabaseError
 from django.http import HttpResponseBase
 from django.urls import Resolver404, get_resolver
 
+from billing_platform.errors import NotFound, PayloadTooLarge
 from billing_platform.gateway import db_connections
-from billing_platform.gateway.errors import GatewayError
+from billing_platform.gateway.errors import openai_error, server_error
 from billing_platform.gateway.metrics import request_observed
 from plans import concurrency
 
@@ -85,29 +86,25 @@ class GatewayASGI:
         except _Disconnected:
             return
         if body is None:
-            error = GatewayError(413, f"Request body exceeds the limit of {limit} bytes.",
-                                 code="request_too_large")
-            await _send_response(error.response(), send)
+            error = PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
+            await _send_response(openai_error(error), send)
             return
         request = ASGIRequest(scope, io.BytesIO(body))
         try:
             match = self.resolver.resolve(request.path_info)
         except Resolver404:
-            response = GatewayError(404, f"Unknown endpoint {request.path_info}.",
-                                    code="unknown_url").response()
+            response = openai_error(NotFound(f"Unknown endpoint {request.path_info}.",
+                                             code="unknown_url"))
             endpoint = "unknown"
         else:
             endpoint = match.url_name or "unknown"
             try:
                 response = await match.func(request, *match.args, **match.kwargs)
             except DatabaseError as exc:  # PostgreSQL away and nothing cached would do: 503
-                error = db_connections.unavailable(exc)
-                response = GatewayError(error.status, error.message, code=error.code,
-                                        headers=error.headers).response()
+                response = openai_error(db_connections.unavailable(exc))
             except Exception:
                 log.exception("unhandled error in %s", request.path_info)
-                response = GatewayError(500, "The server had an error while processing your "
-                                             "request.", code="internal_error").response()
+                response = server_error()
         request_observed(endpoint, response, time.perf_counter() - t0)
         try:
             sender = asyncio.create_task(_send_response(response, send))

@@ -1,10 +1,17 @@
-"""OpenAI-shaped errors for /v1: ``{"error": {"message", "type", "param", "code"}}``."""
+"""The one place /v1 turns an error into OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status OpenAI uses.
+
+Services raise domain errors (``billing_platform.errors``); ``openai_error`` answers ANY of
+them, so a new service error is never a 500 on /v1. The surface's own refusals (no key, wrong
+method, a body over the limit, an unknown URL) are domain errors too, answered the same way;
+only an unexpected exception gets ``server_error``.
+"""
 
 from __future__ import annotations
 
 from django.http import JsonResponse
 
-from engine_adapter.types import EngineError
+from billing_platform.errors import DomainError, InvalidRequest
 
 TYPE_BY_STATUS = {
     400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
@@ -14,29 +21,37 @@ TYPE_BY_STATUS = {
 }
 
 
-class GatewayError(Exception):
-    """An error to answer in OpenAI's shape."""
+class MethodNotAllowed(DomainError):
+    """The /v1 endpoint exists but not for this HTTP method (a refusal of the surface)."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
-
-    @classmethod
-    def from_engine(cls, exc: EngineError) -> GatewayError:
-        return cls(exc.status, str(exc), code=exc.code, param=getattr(exc, "param", None))
-
-    def response(self, request_id: str | None = None) -> JsonResponse:
-        body = {"error": {"message": self.message, "type": TYPE_BY_STATUS.get(self.status,
-                          "invalid_request_error"), "param": self.param, "code": self.code}}
-        response = JsonResponse(body, status=self.status)
-        for name, value in self.headers.items():
-            response[name] = value
-        if request_id:
-            response["x-request-id"] = request_id
-        return response
+    code = "method_not_allowed"
+    status = 405
 
 
-def invalid(message: str, *, param: str | None = None, code: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param, code=code)
+def _response(status: int, message: str, *, code: str | None, param: str | None,
+              headers: dict[str, str], request_id: str | None) -> JsonResponse:
+    body = {"error": {"message": message, "type": TYPE_BY_STATUS.get(
+        status, "invalid_request_error"), "param": param, "code": code}}
+    response = JsonResponse(body, status=status)
+    for name, value in headers.items():
+        response[name] = value
+    if request_id:
+        response["x-request-id"] = request_id
+    return response
+
+
+def openai_error(exc: DomainError, request_id: str | None = None) -> JsonResponse:
+    """Return the OpenAI-shaped answer to a domain error (its headers included).
+
+    A plain invalid request has a null ``code``, as OpenAI's own answers do; any specific code
+    (``unknown_parameter``, ``model_not_found``, ...) is passed on.
+    """
+    code = None if exc.code == InvalidRequest.code else exc.code
+    return _response(exc.status, exc.message, code=code, param=exc.param,
+                     headers=exc.headers, request_id=request_id)
+
+
+def server_error(request_id: str | None = None) -> JsonResponse:
+    """Return the OpenAI-shaped 500 for an exception nothing expected (it is logged)."""
+    return _response(500, "The server had an error while processing your request.",
+                     code="internal_error", param=None, headers={}, request_id=request_id)

@@ -1,6 +1,8 @@
-"""Serve one /v1 inference request: resolve the model in the caller's zone, forward it through
-the engine adapter, relay the answer in OpenAI's shape, and meter the engine's usage durably
-before the response ends.
+"""Serve one /v1 inference request: place, admit and forward it through the request pipeline
+(``pipeline.py``, shared with the batch runner), relay the answer in OpenAI's shape, and meter
+the engine's usage durably before the response ends.
+
+Errors are domain errors (``billing_platform.errors``); ``gateway/errors.py`` answers them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,21 +21,19 @@ from django.db import DatabaseError
 from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
-from billing_platform.gateway.errors import GatewayError
+from billing_platform.errors import RateLimited
+from billing_platform.gateway import pipeline
 from billing_platform.gateway.validation import InferenceRequest
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
 from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
 from plans import admission as quota
 
-# SGLang with --enable-priority-scheduling runs larger priority values first.
-ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10}
 # Priority is downgraded when every engine queues this many batches' worth of requests.
 SATURATION_QUEUE_FACTOR = settings.GATEWAY_SATURATION_QUEUE_FACTOR
 # Seconds a client waits before retrying a request no engine in its regions could take.
 NO_CAPACITY_RETRY_S = "5"
 log = logging.getLogger(__name__)
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 @dataclass
@@ -43,53 +43,6 @@ class Served:
     headers: dict[str, str]
     body: dict[str, Any] | None = None
     stream: AsyncIterator[bytes] | None = None
-
-
-def model_not_found(model: str) -> GatewayError:
-    """Return the one answer for a model this caller cannot use, whatever the reason.
-
-    A model that does not exist, one the key may not use and one that is offered only in
-    other data zones or regions get the same words: the answer says nothing about where else
-    a model runs.
-    """
-    return GatewayError(404, f"The model '{model}' does not exist or you do not have access "
-                             "to it.", code="model_not_found", param="model")
-
-
-async def allowed_regions_for(principal: KeyPrincipal, model: str) -> set[str] | None:
-    """Return the regions this caller's request for ``model`` may run in, or raise 404."""
-    return (await model_access(principal, model))[0]
-
-
-async def model_access(principal: KeyPrincipal, model: str
-                       ) -> tuple[set[str] | None, quota.QuotaPolicy]:
-    """Return the regions of the caller's zone and its quota policy for ``model``, or raise.
-
-    404 for a model that does not exist, that the key may not use, that is offered only in
-    other zones (all three in the same words), or that has no price in force. A model offered
-    in the caller's zone whose engines are all down is not refused here: the engine call
-    answers a retryable 503, and nothing runs outside the zone.
-
-    Nothing is served that cannot be billed: rating needs a price for every event (on demand,
-    token plan and provisioned alike), so an unpriced model's events would be dead-lettered
-    and its worst case would reserve nothing. A price of zero is a price. The policy is the
-    cached one (``quota.apolicy``): this adds no query to a request.
-    """
-    fleet = get_fleet()
-    await fleet.arefresh_if_stale()
-    served = fleet.router.regions_of(model)
-    if not served or not principal.may_use_model(model):
-        raise model_not_found(model)
-    zone = fleet.regions_in_zone(principal.data_zone)
-    if zone is not None and not served & zone:
-        raise model_not_found(model)
-    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
-                                 key_id=principal.key_id, model=model)
-    if policy.pricing is None:
-        raise GatewayError(404, f"The model '{model}' has no price in force for your "
-                                "organization, so it cannot be served.",
-                           code="model_not_found", param="model")
-    return zone, policy
 
 
 async def models_for(principal: KeyPrincipal) -> list[str]:
@@ -200,7 +153,7 @@ class _Accounting:
         try:
             await call.__aexit__(None, None, None)
         except BaseException:
-            await _settle(self.ticket, call.result)
+            await pipeline.request_settle(self.ticket, call.result)
             raise
         await self._record(call.tried[-1], call.result)
 
@@ -211,7 +164,8 @@ class _Accounting:
         for the other; both always run, and an append that failed still raises afterwards.
         """
         outcomes = await asyncio.gather(_append(self._event(engine, result)),
-                                        _settle(self.ticket, result), return_exceptions=True)
+                                        pipeline.request_settle(self.ticket, result),
+                                        return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -219,38 +173,33 @@ class _Accounting:
 
 async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
                 request_id: str) -> Served:
-    """Run one inference request; raise GatewayError for answers that are errors."""
+    """Run one inference request; raise a domain error for answers that are errors."""
     started = datetime.now(tz=UTC)
-    allowed, policy = await model_access(principal, req.model)
-    allowed = _narrow(allowed, policy, req.model)
-    tier = _serving_tier(req, allowed)
-    ticket = await _admit(principal, req, policy, tier=tier, request_id=request_id,
-                          allowed=allowed)
-    if ticket is not None and ticket.capacity == "provisioned" and policy.provisioned:
-        allowed = {policy.provisioned.region}
+    placement = await pipeline.placement_resolve(principal=principal, model=req.model)
+    tier = _serving_tier(req, placement.regions)
+    ticket = await pipeline.request_admit(
+        pipeline.admission_policy(placement.policy, tier=tier, regions=placement.regions),
+        principal=principal, req=req, tier=tier, request_id=request_id)
     rate_headers = ticket.headers if ticket is not None else {}
     accounting = _Accounting(principal=principal, request_id=request_id, model=req.model,
                              tier=tier, started=started, ticket=ticket,
                              capacity=ticket.capacity if ticket is not None else "on_demand")
-    fleet = get_fleet()
-    call = fleet.client.call(
-        model=req.model, path=PATHS[req.kind], body=req.engine_body,
-        namespace=principal.org_public_id, prompt_text=req.prompt_text,
-        allowed_regions=allowed, priority=ENGINE_PRIORITY[tier], request_id=request_id,
-    )
+    call = pipeline.engine_call(get_fleet().client, principal=principal, req=req,
+                                regions=pipeline.engine_regions(placement, ticket), tier=tier,
+                                request_id=request_id)
     try:
         await call.__aenter__()
     except NoCapacity as exc:
         # Offered here, but no engine of it is up in the allowed regions: retry, never
         # served elsewhere.
-        await _settle(ticket, None)
-        raise _with_headers(GatewayError.from_engine(exc),
-                            {"retry-after": NO_CAPACITY_RETRY_S, **rate_headers}) from exc
+        await pipeline.request_settle(ticket, None)
+        raise pipeline.engine_failure(exc, headers={"retry-after": NO_CAPACITY_RETRY_S,
+                                                    **rate_headers}) from exc
     except EngineError as exc:
         await accounting.failed_before_output(call.tried[-1] if call.tried else None)
-        raise _with_headers(GatewayError.from_engine(exc), rate_headers) from exc
+        raise pipeline.engine_failure(exc, headers=dict(rate_headers)) from exc
     except BaseException:
-        await _settle(ticket, None)
+        await pipeline.request_settle(ticket, None)
         raise
     engine = call.tried[-1]
     headers = {"x-request-id": request_id, "x-tollgate-region": engine.region,
@@ -263,23 +212,6 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     await accounting.close(call)
     return Served(headers=headers, body=openai_body(call, kind=req.kind,
                                                     request_id=request_id[4:], tier=tier))
-
-
-def _with_headers(exc: GatewayError, headers: dict[str, str]) -> GatewayError:
-    exc.headers.update(headers)
-    return exc
-
-
-def _narrow(allowed: set[str] | None, policy: quota.QuotaPolicy, model: str
-            ) -> set[str] | None:
-    """Intersect the zone's regions with the key's/project's narrowing (404 if none serve)."""
-    if policy.allowed_regions is None:
-        return allowed
-    narrowed = set(policy.allowed_regions) if allowed is None else (
-        allowed & policy.allowed_regions)
-    if not get_fleet().router.regions_of(model) & narrowed:
-        raise model_not_found(model)
-    return narrowed
 
 
 def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
@@ -312,46 +244,12 @@ def _serving_tier(req: InferenceRequest, allowed: set[str] | None) -> str:
         return tier
     spare, saturated = pool_state(req.model, allowed)
     if tier == "flex" and not spare:
-        raise GatewayError(429, "Flex processing has no spare capacity right now; retry "
-                                "later or use service_tier 'default'.",
-                           code="resource_unavailable", headers={"retry-after": "5"})
+        raise RateLimited("Flex processing has no spare capacity right now; retry later or "
+                          "use service_tier 'default'.", code="resource_unavailable",
+                          headers={"retry-after": "5"})
     if tier == "priority" and saturated:
         return "default"  # downgraded: billed and reported as default
     return tier
-
-
-async def _admit(principal: KeyPrincipal, req: InferenceRequest, policy: quota.QuotaPolicy,
-                 *, tier: str, request_id: str, allowed: set[str] | None
-                 ) -> quota.Ticket | None:
-    if policy.provisioned is not None and allowed is not None and (
-            policy.provisioned.region not in allowed):
-        policy = replace(policy, provisioned=None)
-    try:
-        return await quota.aadmit(
-            policy, request_id=request_id, tier=tier, zone=principal.data_zone,
-            prompt_tokens=req.prompt_bound, max_output=req.max_output)
-    except quota.QuotaExceeded as exc:
-        raise GatewayError(429, exc.message, code=exc.code, headers=exc.headers) from exc
-    except RedisError as exc:
-        if any(b.hard for b in policy.budgets):
-            raise GatewayError(503, "Quota enforcement is unavailable, and this organization "
-                                    "has a hard budget; retry shortly.",
-                               code="quota_unavailable", headers={"retry-after": "1"}) from exc
-        log.warning("admission skipped for %s: Redis unavailable (%r)", request_id, exc)
-        return None
-
-
-async def _settle(ticket: quota.Ticket | None, result: CallResult | None) -> None:
-    if ticket is None or ticket.settled:
-        return
-    try:
-        await asyncio.shield(quota.asettle(
-            ticket, prompt_tokens=result.prompt_tokens if result else 0,
-            cached_tokens=result.cached_tokens if result else 0,
-            completion_tokens=result.completion_tokens if result else 0))
-    except RedisError as exc:
-        # The reservation expires on its own; the sweep raises spend to PostgreSQL's.
-        log.warning("settlement of %s failed: %r", ticket.request_id, exc)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:

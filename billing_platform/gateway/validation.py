@@ -23,9 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
-
-from billing_platform.gateway.errors import invalid
+from billing_platform.errors import InvalidRequest
+from billing_platform.gateway import pipeline
 from plans.admission import prompt_token_bound
 
 SERVICE_TIERS = ("auto", "default", "priority", "flex")
@@ -94,19 +93,19 @@ def _text_of(content: Any, where: str) -> str:
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or "type" not in part:
-                raise invalid(f"{where}[{i}] must be an object with a 'type'.", param=where)
+                raise InvalidRequest(f"{where}[{i}] must be an object with a 'type'.", param=where)
             field = TEXT_PARTS.get(part["type"]) if isinstance(part["type"], str) else None
             if field is None:
-                raise invalid(f"{where}[{i}]: content parts of type {part['type']!r} are not "
-                              "supported by this model; send text parts only.",
-                              param=f"{where}[{i}].type", code="unsupported_content")
+                raise InvalidRequest(f"{where}[{i}]: content parts of type {part['type']!r} are "
+                                     "not supported by this model; send text parts only.",
+                                     param=f"{where}[{i}].type", code="unsupported_content")
             text = part.get(field, "")
             if not isinstance(text, str):
-                raise invalid(f"{where}[{i}].{field} must be a string.",
-                              param=f"{where}[{i}].{field}")
+                raise InvalidRequest(f"{where}[{i}].{field} must be a string.",
+                                     param=f"{where}[{i}].{field}")
             parts.append(text)
         return "".join(parts)
-    raise invalid(f"{where} must be a string or an array of content parts.", param=where)
+    raise InvalidRequest(f"{where} must be a string or an array of content parts.", param=where)
 
 
 def _forwarded(body: dict[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
@@ -116,71 +115,70 @@ def _forwarded(body: dict[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
         if name in allowed:
             out[name] = value
         elif name not in GATEWAY_FIELDS and name not in DROPPED:
-            raise invalid(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
+            raise InvalidRequest(f"Unknown parameter: '{name}'.", param=name,
+                                 code="unknown_parameter")
     return out
 
 
 def _output_bound(body: dict[str, Any], kind: str) -> int:
     """Return the one output bound: the field the engine would read first, else the default."""
-    for name in OUTPUT_ORDER[kind]:
-        value = body.get(name)
-        if value is not None:
-            return value
-    return settings.GATEWAY_DEFAULT_MAX_TOKENS
+    asked = next((body[name] for name in OUTPUT_ORDER[kind] if body.get(name) is not None),
+                 None)
+    return pipeline.output_bound(asked)
 
 
 def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise invalid("you must provide a model parameter", param="model")
+        raise InvalidRequest("you must provide a model parameter", param="model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise invalid("'stream' must be a boolean.", param="stream")
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise invalid("'stream_options' is only allowed when 'stream' is true.",
-                          param="stream_options")
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true.",
+                                 param="stream_options")
         if not isinstance(options, dict):
-            raise invalid("'stream_options' must be an object.", param="stream_options")
+            raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
     include_usage = bool(options and options.get("include_usage"))
     tier = body.get("service_tier") or "auto"
     if tier not in SERVICE_TIERS:
-        raise invalid(f"Invalid service_tier {tier!r}; expected one of "
-                      f"{', '.join(SERVICE_TIERS)}.", param="service_tier")
+        raise InvalidRequest(f"Invalid service_tier {tier!r}; expected one of "
+                             f"{', '.join(SERVICE_TIERS)}.", param="service_tier")
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
-            raise invalid(f"'{name}' must be a positive integer.", param=name)
+            raise InvalidRequest(f"'{name}' must be a positive integer.", param=name)
     n = body.get("n", 1)
     if n != 1:
-        raise invalid("Only n=1 is supported.", param="n")
+        raise InvalidRequest("Only n=1 is supported.", param="n")
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float)
                                     or not 0 <= temperature <= 2):
-        raise invalid("'temperature' must be between 0 and 2.", param="temperature")
+        raise InvalidRequest("'temperature' must be between 0 and 2.", param="temperature")
     return model, stream, include_usage, tier
 
 
 def parse_chat(body: Any) -> InferenceRequest:
     """Validate a chat completion body."""
     if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
+        raise InvalidRequest("The request body must be a JSON object.")
     model, stream, include_usage, tier = _common(body)
     engine_body = _forwarded(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty array.", param="messages")
+        raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
     texts = []
     extra = 0  # bytes of what the template renders besides the contents
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object.", param=where)
+            raise InvalidRequest(f"{where} must be an object.", param=where)
         if message.get("role") not in ROLES:
-            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}.",
-                          param=f"{where}.role")
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}.",
+                                 param=f"{where}.role")
         texts.append(f"{message['role']}: {_text_of(message.get('content'), where + '.content')}")
         for name, value in message.items():
             if name not in ("role", "content") and value is not None:
@@ -191,7 +189,7 @@ def parse_chat(body: Any) -> InferenceRequest:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise invalid("'tools' must be an array.", param="tools")
+            raise InvalidRequest("'tools' must be an array.", param="tools")
         if tools:
             extra += TOOLS_PREAMBLE_TOKENS + PER_TOOL_TOKENS * len(tools) + _json_bytes(tools)
     for name in ("tool_choice", "chat_template_kwargs", "response_format"):
@@ -209,17 +207,17 @@ def parse_chat(body: Any) -> InferenceRequest:
 def parse_completion(body: Any) -> InferenceRequest:
     """Validate a legacy completion body (a single prompt string)."""
     if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
+        raise InvalidRequest("The request body must be a JSON object.")
     model, stream, include_usage, tier = _common(body)
     engine_body = _forwarded(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
-        raise invalid("'prompt' must be a non-empty string.", param="prompt")
+        raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
-        raise invalid("'suffix' must be a string.", param="suffix")
+        raise InvalidRequest("'suffix' must be a string.", param="suffix")
     extra = len(suffix.encode()) if suffix else 0
     max_output = _output_bound(body, "completion")
     engine_body["prompt"] = prompt

@@ -13,10 +13,10 @@ from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 
 from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.errors import InvalidRequest
 from billing_platform.gateway.apis import openai_endpoint
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
-from billing_platform.gateway.errors import invalid
 from billing_platform.gateway.models import Batch, StoredFile
 from billing_platform.json_input import json_loads
 
@@ -34,9 +34,9 @@ def _limit(request: HttpRequest, default: int) -> int:
     try:
         limit = int(raw)
     except ValueError:
-        raise invalid("'limit' must be an integer.", param="limit") from None
+        raise InvalidRequest("'limit' must be an integer.", param="limit") from None
     if not 1 <= limit <= MAX_LIMIT:
-        raise invalid(f"'limit' must be between 1 and {MAX_LIMIT}.", param="limit")
+        raise InvalidRequest(f"'limit' must be between 1 and {MAX_LIMIT}.", param="limit")
     return limit
 
 
@@ -53,11 +53,11 @@ def _upload(request: HttpRequest, principal: KeyPrincipal) -> StoredFile:
         upload = request.FILES.get("file")
         purpose = request.POST.get("purpose", "")
     except Exception as exc:  # a malformed multipart body
-        raise invalid(f"Could not parse the multipart body: {exc}") from None
+        raise InvalidRequest(f"Could not parse the multipart body: {exc}") from None
     if upload is None:
-        raise invalid("Send the file as multipart form field 'file'.", param="file")
+        raise InvalidRequest("Send the file as multipart form field 'file'.", param="file")
     if not purpose:
-        raise invalid("'purpose' is required.", param="purpose")
+        raise InvalidRequest("'purpose' is required.", param="purpose")
     return files.file_create(org_id=principal.org_id, org_public_id=principal.org_public_id,
                              project_id=principal.project_id, purpose=purpose,
                              filename=upload.name or "upload.jsonl", source=upload)
@@ -110,9 +110,9 @@ def _body(request: HttpRequest) -> dict[str, Any]:
     try:
         body = json_loads(request.body or b"{}")
     except ValueError:
-        raise invalid("We could not parse the JSON body of your request.") from None
+        raise InvalidRequest("We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
+        raise InvalidRequest("The request body must be a JSON object.")
     return body
 
 

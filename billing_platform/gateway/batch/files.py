@@ -29,8 +29,7 @@ from django.db import connection, transaction
 from django.db.models import Count, QuerySet, Sum
 
 from billing_platform.accounts.selectors import organization_file_limits
-from billing_platform.errors import InvalidRequest, Unavailable
-from billing_platform.gateway.errors import GatewayError, invalid
+from billing_platform.errors import InvalidRequest, NotFound, Unavailable
 from billing_platform.gateway.models import FilePurpose, StoredFile
 
 log = logging.getLogger(__name__)
@@ -45,12 +44,12 @@ def file_path(file: StoredFile) -> Path:
 
 
 def file_open(file: StoredFile) -> IO[bytes]:
-    """Open a file's content for reading; a 400 GatewayError if it is gone from storage."""
+    """Open a file's content for reading; raise InvalidRequest if it is gone from storage."""
     try:
         return open(file_path(file), "rb")  # the caller's response closes it
     except FileNotFoundError:
-        raise invalid(f"The content of file {file.public_id} is no longer available.",
-                      param="id") from None
+        raise InvalidRequest(f"The content of file {file.public_id} is no longer available.",
+                             param="id") from None
 
 
 def _new_path(org_public_id: str, file_id: str) -> tuple[str, Path]:
@@ -111,14 +110,14 @@ def _refuse_low_disk(incoming: int) -> None:
 
 def file_create(*, org_id: int, org_public_id: str, project_id: int | None, purpose: str,
                 filename: str, source: IO[bytes]) -> StoredFile:
-    """Store an uploaded file; raise GatewayError if it is not a JSONL file within the limits,
-    InvalidRequest over the organization's quota, Unavailable when the disk is short of space."""
+    """Store an uploaded file; raise InvalidRequest unless it is a JSONL file within limits
+    and the organization's quota, Unavailable when the disk is short of space."""
     if purpose != FilePurpose.BATCH:
-        raise invalid(f"Invalid purpose {purpose!r}: only 'batch' files can be uploaded here.",
-                      param="purpose")
+        raise InvalidRequest(f"Invalid purpose {purpose!r}: only 'batch' files can be "
+                             "uploaded here.", param="purpose")
     if not filename.endswith(".jsonl"):
-        raise invalid("Batch files must be JSONL files with the .jsonl extension.",
-                      param="file")
+        raise InvalidRequest("Batch files must be JSONL files with the .jsonl extension.",
+                             param="file")
     quota = storage_quota(org_id=org_id)
     used_files, used_bytes = storage_used(org_id=org_id)
     announced = getattr(source, "size", None) or 0  # a Django upload knows its size
@@ -134,8 +133,8 @@ def file_create(*, org_id: int, org_public_id: str, project_id: int | None, purp
             while chunk := source.read(1 << 20):
                 size += len(chunk)
                 if size > settings.FILES_MAX_BYTES:
-                    raise invalid(f"File is larger than the limit of "
-                                  f"{settings.FILES_MAX_BYTES} bytes.", param="file")
+                    raise InvalidRequest(f"File is larger than the limit of "
+                                         f"{settings.FILES_MAX_BYTES} bytes.", param="file")
                 _refuse_over_quota(quota, files=used_files + 1, size=used_bytes + size)
                 _refuse_low_disk(len(chunk))
                 lines += chunk.count(b"\n")
@@ -144,10 +143,10 @@ def file_create(*, org_id: int, org_public_id: str, project_id: int | None, purp
         if last != b"\n":
             lines += 1
         if lines > settings.FILES_MAX_LINES:
-            raise invalid(f"File has {lines} lines; a batch file may have at most "
-                          f"{settings.FILES_MAX_LINES}.", param="file")
+            raise InvalidRequest(f"File has {lines} lines; a batch file may have at most "
+                                 f"{settings.FILES_MAX_LINES}.", param="file")
         if size == 0:
-            raise invalid("The file is empty.", param="file")
+            raise InvalidRequest("The file is empty.", param="file")
         file.storage_path, file.bytes, file.lines = rel, size, lines
         with transaction.atomic():
             with connection.cursor() as cursor:  # concurrent uploads of one org: one at a time
@@ -188,11 +187,10 @@ def files_for_org(*, org_id: int, purpose: str | None = None) -> QuerySet[Stored
 
 
 def file_get(*, org_id: int, file_id: str) -> StoredFile:
-    """Return one of the organization's files, or raise a 404 GatewayError."""
+    """Return one of the organization's files, or raise NotFound."""
     file = StoredFile.objects.filter(organization_id=org_id, public_id=file_id).first()
     if file is None:
-        raise GatewayError(404, f"No such File object: {file_id}", param="id",
-                           code="file_not_found")
+        raise NotFound(f"No such File object: {file_id}", param="id", code="file_not_found")
     return file
 
 

@@ -4,13 +4,16 @@ One run is a time slice of one Celery task: it asks the engine adapter how much 
 model's engines have (scraped live), sends that many lines at the lowest SGLang priority,
 and asks again as they finish; outcomes are recorded in groups. With no spare room it sends
 nothing and waits; interactive traffic always has the engines first.
+
+Each line passes the same request pipeline as a /v1 request (``gateway/pipeline.py``: placement,
+output bound, admission at the batch tier, the engine call, settlement, the Redis-down rule);
+only what becomes of the answer (a line outcome, not a response) is the runner's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import logging
 import os
@@ -21,19 +24,15 @@ from datetime import UTC, datetime
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
-from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.errors import NotFound, Unavailable
+from billing_platform.gateway import pipeline
 from billing_platform.gateway.batch import services as batch_services
-from billing_platform.gateway.batch.services import ENDPOINTS, MAX_ATTEMPTS, LineOutcome
-from billing_platform.gateway.errors import GatewayError
+from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
+from billing_platform.gateway.batch.validation import ENDPOINTS
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
-from billing_platform.gateway.services import (
-    PATHS,
-    allowed_regions_for,
-    openai_body,
-    usage_event,
-)
+from billing_platform.gateway.services import openai_body, usage_event
 from engine_adapter.registry import Fleet
 from engine_adapter.types import (
     EngineBadRequest,
@@ -46,8 +45,6 @@ from plans import admission as quota
 
 log = logging.getLogger(__name__)
 
-# SGLang runs larger priority values first; batch sits below flex (-10), the lowest of all.
-BATCH_PRIORITY = -20
 IDLE_WAIT_S = 0.2
 HEARTBEAT_S = 1.0  # how often a runner reads the batch's status (cancel) and says it is alive
 RECORD_EVERY = 64  # outcomes written per transaction, at most
@@ -61,15 +58,14 @@ STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded
 
 async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: BatchLine
                  ) -> tuple[quota.Ticket | None, LineOutcome | None]:
-    """Reserve the line's worst case against budgets and token plans (as interactive does).
+    """Reserve the line's worst case through the pipeline; say what a refusal does to it.
 
     The bounds are the validated body's, as on /v1: the output bound is the one the engine is
     sent (``req.engine_body``), so a line cannot generate past what it reserved.
     """
     try:
-        ticket = await quota.aadmit(
-            policy, request_id=line.request_id, tier="batch", zone=principal.data_zone,
-            prompt_tokens=req.prompt_bound, max_output=req.max_output)
+        ticket = await pipeline.request_admit(policy, principal=principal, req=req,
+                                              tier="batch", request_id=line.request_id)
     except quota.QuotaExceeded as exc:
         if exc.code not in STOP_CODES:
             return None, LineOutcome(line.id, retry=True)  # rate limits: later
@@ -78,22 +74,9 @@ async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: 
         return None, LineOutcome(line.id, state=LineState.FAILED, status_code=429,
                                  response={"error": error}, stop=True,
                                  error={"code": exc.code, "message": exc.message})
-    except RedisError:
-        if any(b.hard for b in policy.budgets):
-            return None, LineOutcome(line.id, retry=True)  # never run past a hard budget
-        return None, None
+    except Unavailable:
+        return None, LineOutcome(line.id, retry=True)  # never run past a hard budget
     return ticket, None
-
-
-async def _settle(ticket: quota.Ticket | None, result) -> None:
-    if ticket is None or ticket.settled:
-        return
-    try:
-        await quota.asettle(ticket, prompt_tokens=result.prompt_tokens if result else 0,
-                            cached_tokens=result.cached_tokens if result else 0,
-                            completion_tokens=result.completion_tokens if result else 0)
-    except RedisError as exc:
-        log.warning("settlement of %s failed: %r", ticket.request_id, exc)
 
 
 async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
@@ -109,16 +92,14 @@ async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: K
         return await _send(line, req=req, fleet=fleet, batch=batch, principal=principal,
                            regions=regions, ticket=ticket)
     finally:
-        await _settle(ticket, None)  # no-op once _send settled with the engine's counts
+        await pipeline.request_settle(ticket, None)  # no-op once _send settled
 
 
 async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
                 regions: set[str] | None, ticket: quota.Ticket | None) -> LineOutcome:
     started = datetime.now(tz=UTC)
-    call = fleet.client.call(
-        model=req.model, path=PATHS[req.kind], body=req.engine_body,
-        namespace=principal.org_public_id, prompt_text=req.prompt_text,
-        allowed_regions=regions, priority=BATCH_PRIORITY, request_id=line.request_id)
+    call = pipeline.engine_call(fleet.client, principal=principal, req=req, regions=regions,
+                                tier="batch", request_id=line.request_id)
     try:
         async with call:
             pass
@@ -138,7 +119,7 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
                                                "param": None, "code": exc.code}},
                            error={"code": exc.code, "message": str(exc)})
     result = call.result
-    await _settle(ticket, result)
+    await pipeline.request_settle(ticket, result)
     if result is None or result.status != "ok":
         if line.attempts < MAX_ATTEMPTS:
             return LineOutcome(line.id, retry=True)
@@ -162,23 +143,18 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
     if batch is None or batch.status != BatchStatus.IN_PROGRESS:
         return "inactive"
     principal = KeyPrincipal.from_json(batch.principal)
+    regions: set[str] | None
+    policy: quota.QuotaPolicy | None
     try:
-        regions = await allowed_regions_for(principal, batch.model)
-    except GatewayError:
-        # The model left the caller's zone or has no price in force: nothing runs (nothing
-        # is served that cannot be billed); expiry ends it unless that changes first.
-        regions = set()
-    policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
-                                 key_id=principal.key_id, model=batch.model)
-    # Batch runs on spare shared capacity at the batch tier: never on a provisioned
-    # reservation, and outside the org's RPM/TPM, which are for interactive traffic (as
-    # OpenAI's batch limits are separate); budgets and token plans still apply.
-    policy = dataclasses.replace(policy, provisioned=None, rpm=(), tpm=())
-    if policy.allowed_regions is not None:  # the key's/project's residency narrowing
-        regions = set(policy.allowed_regions) if regions is None else (
-            regions & policy.allowed_regions)
-    if not (policy.budgets or policy.window or policy.plan_exhausted):
-        policy = None  # nothing holds a batch line back: skip two Redis scripts per line
+        placement = await pipeline.placement_resolve(principal=principal, model=batch.model)
+    except NotFound:
+        # Since validation the model left the caller's zone or regions, or lost its price:
+        # nothing runs (nothing is served that cannot be billed, nothing outside the
+        # placement); expiry ends the batch unless that changes first.
+        regions, policy = set(), None
+    else:
+        regions = placement.regions
+        policy = pipeline.admission_policy(placement.policy, tier="batch", regions=regions)
     # A fleet view of this slice's own: its HTTP pool belongs to this event loop.
     fleet = Fleet(salt_secret=settings.SECRET_KEY)
     await sync_to_async(fleet.refresh)()

@@ -1,10 +1,11 @@
 """Batches: create, validate, claim, record, cancel, expire, finalize.
 
-Life of a batch (OpenAI's statuses): ``validating`` (a worker parses the input file; a bad file
-ends ``failed`` with line-level ``errors``) -> ``in_progress`` (lines run; see runner.py) ->
-``finalizing`` (output and error files written) -> ``completed``. ``cancel`` moves it to
-``cancelling``: pending lines are dropped at once, lines in flight finish and are kept, then
-``cancelled``. Past ``expires_at`` the sweep moves it to ``expired`` with what finished.
+Life of a batch (OpenAI's statuses): ``validating`` (a worker parses the input file, see
+validation.py; a bad file ends ``failed`` with line-level ``errors``) -> ``in_progress`` (lines
+run; see runner.py) -> ``finalizing`` (output and error files written) -> ``completed``.
+``cancel`` moves it to ``cancelling``: pending lines are dropped at once, lines in flight
+finish and are kept, then ``cancelled``. Past ``expires_at`` the sweep moves it to ``expired``
+with what finished.
 
 Exactly-once: a line's result, its new state and its usage event are written by ONE
 conditional UPDATE (``state = running AND lease_token = ours``), and the event is appended to
@@ -31,8 +32,10 @@ from django.db.models import Count, F, Q, QuerySet
 from django.utils import timezone
 
 from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.errors import Conflict, InvalidRequest, NotFound
 from billing_platform.gateway.batch import files
-from billing_platform.gateway.errors import GatewayError, invalid
+from billing_platform.gateway.batch.validation import ENDPOINTS
+from billing_platform.gateway.batch.validation import batch_validate as batch_validate
 from billing_platform.gateway.models import (
     ACTIVE_STATUSES,
     Batch,
@@ -42,14 +45,9 @@ from billing_platform.gateway.models import (
     LineState,
     StoredFile,
 )
-from billing_platform.gateway.validation import parse_chat, parse_completion
-from billing_platform.json_input import json_loads
-from metering.events import new_request_id
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}
-MAX_REPORTED_ERRORS = 1000
 MAX_ATTEMPTS = 3
 
 
@@ -59,24 +57,24 @@ def batch_create(*, principal: KeyPrincipal, input_file_id: Any, endpoint: Any,
                  completion_window: Any, metadata: Any = None) -> Batch:
     """Create a batch in ``validating`` and enqueue its validation."""
     if not isinstance(input_file_id, str) or not input_file_id:
-        raise invalid("'input_file_id' is required.", param="input_file_id")
+        raise InvalidRequest("'input_file_id' is required.", param="input_file_id")
     if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
-        raise invalid(f"Invalid endpoint {endpoint!r}; expected one of "
-                      f"{', '.join(ENDPOINTS)}.", param="endpoint")
+        raise InvalidRequest(f"Invalid endpoint {endpoint!r}; expected one of "
+                             f"{', '.join(ENDPOINTS)}.", param="endpoint")
     if (not isinstance(completion_window, str)
             or completion_window not in settings.BATCH_COMPLETION_WINDOWS):
-        raise invalid(f"Invalid completion_window {completion_window!r}; expected '24h'.",
-                      param="completion_window")
+        raise InvalidRequest(f"Invalid completion_window {completion_window!r}; expected '24h'.",
+                             param="completion_window")
     if metadata is not None and (
             not isinstance(metadata, dict) or len(metadata) > 16
             or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str)
                        and len(v) <= 512 for k, v in metadata.items())):
-        raise invalid("'metadata' must be an object of at most 16 string keys (64 chars) "
-                      "and string values (512 chars).", param="metadata")
+        raise InvalidRequest("'metadata' must be an object of at most 16 string keys (64 chars) "
+                             "and string values (512 chars).", param="metadata")
     file = files.file_get(org_id=principal.org_id, file_id=input_file_id)
     if file.purpose != FilePurpose.BATCH:
-        raise invalid(f"File {input_file_id} has purpose {file.purpose!r}; a batch needs a "
-                      "file uploaded with purpose 'batch'.", param="input_file_id")
+        raise InvalidRequest(f"File {input_file_id} has purpose {file.purpose!r}; a batch needs a "
+                             "file uploaded with purpose 'batch'.", param="input_file_id")
     window = settings.BATCH_COMPLETION_WINDOWS[completion_window]
     batch = Batch.objects.create(
         organization_id=principal.org_id, project_id=principal.project_id,
@@ -106,11 +104,11 @@ def batches_for_org(*, org_id: int) -> QuerySet[Batch]:
 
 
 def batch_get(*, org_id: int, batch_id: str) -> Batch:
-    """Return one of the organization's batches, or raise a 404 GatewayError."""
+    """Return one of the organization's batches, or raise NotFound."""
     batch = batches_for_org(org_id=org_id).filter(public_id=batch_id).first()
     if batch is None:
-        raise GatewayError(404, f"No batch found with id '{batch_id}'.", param="batch_id",
-                           code="batch_not_found")
+        raise NotFound(f"No batch found with id '{batch_id}'.", param="batch_id",
+                       code="batch_not_found")
     return batch
 
 
@@ -139,140 +137,6 @@ def batch_object(batch: Batch) -> dict[str, Any]:
                            "failed": batch.failed},
         "metadata": batch.metadata,
     }
-
-
-# -- validating -> in_progress | failed --------------------------------------------------------
-
-@dataclass
-class _Parsed:
-    line_no: int
-    custom_id: str
-    body: dict[str, Any]
-    model: str
-
-
-def _line_error(code: str, message: str, line: int, param: str | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": line}
-
-
-def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed], list[dict]]:
-    """Parse and check every line; return the lines and the line-level errors (1-based)."""
-    parse = ENDPOINTS[batch.endpoint]
-    parsed: list[_Parsed] = []
-    errors: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    models: set[str] = set()
-    for number, raw in enumerate(raw_lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            doc = json_loads(raw)
-        except ValueError:
-            errors.append(_line_error("invalid_json_line", "This line is not parseable as "
-                                      "valid JSON.", number))
-            continue
-        if not isinstance(doc, dict):
-            errors.append(_line_error("invalid_json_line", "Each line must be a JSON object.",
-                                      number))
-            continue
-        custom_id = doc.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            errors.append(_line_error("missing_required_parameter", "Missing required "
-                                      "parameter: 'custom_id'.", number, "custom_id"))
-            continue
-        if len(custom_id) > 512:
-            errors.append(_line_error("invalid_value", "'custom_id' is longer than 512 "
-                                      "characters.", number, "custom_id"))
-            continue
-        if custom_id in seen:
-            errors.append(_line_error("duplicate_custom_id", f"The custom_id {custom_id!r} "
-                                      "is used by another request in this file.", number,
-                                      "custom_id"))
-            continue
-        seen.add(custom_id)
-        if doc.get("method", "POST") != "POST":
-            errors.append(_line_error("invalid_value", "'method' must be 'POST'.", number,
-                                      "method"))
-            continue
-        if doc.get("url") != batch.endpoint:
-            errors.append(_line_error("invalid_url", f"The url {doc.get('url')!r} does not "
-                                      f"match the batch endpoint {batch.endpoint}.", number,
-                                      "url"))
-            continue
-        body = doc.get("body")
-        try:
-            req = parse(body)
-        except GatewayError as exc:
-            errors.append(_line_error("invalid_request", exc.message, number,
-                                      f"body.{exc.param}" if exc.param else "body"))
-            continue
-        if req.stream:
-            errors.append(_line_error("invalid_value", "Batch requests cannot stream.", number,
-                                      "body.stream"))
-            continue
-        models.add(req.model)
-        if len(models) > 1:
-            errors.append(_line_error("mismatched_model", "Every request in a batch must use "
-                                      f"the same model; found {sorted(models)}.", number,
-                                      "body.model"))
-            models = {parsed[0].model} if parsed else set()
-            continue
-        parsed.append(_Parsed(number, custom_id, body, req.model))
-    return parsed, errors
-
-
-def _model_error(principal: KeyPrincipal, model: str) -> str | None:
-    """Return why the caller may not run ``model`` (existence, key, data zone), or None."""
-    import asyncio
-
-    from billing_platform.gateway.services import allowed_regions_for
-
-    try:
-        asyncio.run(allowed_regions_for(principal, model))
-    except GatewayError as exc:
-        return exc.message
-    return None
-
-
-def batch_validate(*, batch_id: int) -> Batch | None:
-    """Validate a ``validating`` batch's file; load its lines (in_progress) or fail it."""
-    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
-    if batch is None or batch.status != BatchStatus.VALIDATING:
-        return batch
-    errors: list[dict[str, Any]] = []
-    parsed: list[_Parsed] = []
-    path = files.file_path(batch.input_file) if batch.input_file else None
-    if path is None or not path.exists():
-        errors.append(_line_error("file_not_found", "The input file was deleted.", 0))
-    else:
-        with open(path, "rb") as handle:
-            parsed, errors = _parse_input(batch, iter(handle))
-        if not parsed and not errors:
-            errors.append(_line_error("empty_file", "The input file has no requests.", 0))
-    model = parsed[0].model if parsed else ""
-    if not errors:
-        why = _model_error(KeyPrincipal.from_json(batch.principal), model)
-        if why:
-            errors.append(_line_error("model_not_found", why, parsed[0].line_no, "body.model"))
-    now = timezone.now()
-    with transaction.atomic():
-        locked = Batch.objects.select_for_update().get(pk=batch.pk)
-        if locked.status != BatchStatus.VALIDATING:
-            return locked
-        if errors:
-            Batch.objects.filter(pk=batch.pk).update(
-                status=BatchStatus.FAILED, failed_at=now,
-                errors=errors[:MAX_REPORTED_ERRORS], total=0)
-        else:
-            BatchLine.objects.bulk_create(
-                [BatchLine(batch_id=batch.pk, line_no=p.line_no, custom_id=p.custom_id,
-                           body=p.body, request_id=new_request_id())
-                 for p in parsed], batch_size=2000)
-            Batch.objects.filter(pk=batch.pk).update(
-                status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=model,
-                total=len(parsed), heartbeat_at=now)
-    batch.refresh_from_db()
-    return batch
 
 
 # -- in_progress: claims and results -----------------------------------------------------------
@@ -457,8 +321,8 @@ def batch_cancel(*, batch: Batch) -> Batch:
             BatchLine.objects.filter(batch_id=batch.pk, state=LineState.PENDING).update(
                 state=LineState.CANCELLED, finished_at=now)
         elif locked.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-            raise GatewayError(409, f"Cannot cancel a batch with status '{locked.status}'.",
-                               code="batch_not_cancellable")
+            raise Conflict(f"Cannot cancel a batch with status '{locked.status}'.",
+                           code="batch_not_cancellable")
     batch_finalize_if_done(batch_id=batch.pk)
     return batches_for_org(org_id=batch.organization_id).get(pk=batch.pk)
 

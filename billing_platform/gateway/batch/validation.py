@@ -1,0 +1,165 @@
+"""Validate a batch: ``validating`` -> ``in_progress`` with its lines loaded, or ``failed``.
+
+A worker reads the uploaded input file once (``batch_validate``): every line must be a JSON
+object with a unique ``custom_id``, ``POST`` to the batch's endpoint, a body that the endpoint's
+own validation accepts (the /v1 parser, so a line is refused for what /v1 would refuse) and
+does not stream, and one model for the whole batch that the caller may run (the request
+pipeline's placement). A file with any bad line fails the batch with line-level ``errors``
+(1-based, as OpenAI reports them) and loads nothing; otherwise each line gets its own random
+platform request id, the idempotency key of its usage event.
+
+Split from ``services.py`` (the rest of the life of a batch) so that each stays a size a
+reader holds; ``services.batch_validate`` remains the name callers use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from billing_platform.accounts.selectors import KeyPrincipal
+from billing_platform.errors import InvalidRequest, NotFound
+from billing_platform.gateway.batch import files
+from billing_platform.gateway.models import Batch, BatchLine, BatchStatus
+from billing_platform.gateway.pipeline import placement_resolve
+from billing_platform.gateway.validation import parse_chat, parse_completion
+from billing_platform.json_input import json_loads
+from metering.events import new_request_id
+
+ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}
+MAX_REPORTED_ERRORS = 1000
+
+
+@dataclass
+class _Parsed:
+    line_no: int
+    custom_id: str
+    body: dict[str, Any]
+    model: str
+
+
+def _line_error(code: str, message: str, line: int, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed], list[dict]]:
+    """Parse and check every line; return the lines and the line-level errors (1-based)."""
+    parse = ENDPOINTS[batch.endpoint]
+    parsed: list[_Parsed] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    models: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            doc = json_loads(raw)
+        except ValueError:
+            errors.append(_line_error("invalid_json_line", "This line is not parseable as "
+                                      "valid JSON.", number))
+            continue
+        if not isinstance(doc, dict):
+            errors.append(_line_error("invalid_json_line", "Each line must be a JSON object.",
+                                      number))
+            continue
+        custom_id = doc.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            errors.append(_line_error("missing_required_parameter", "Missing required "
+                                      "parameter: 'custom_id'.", number, "custom_id"))
+            continue
+        if len(custom_id) > 512:
+            errors.append(_line_error("invalid_value", "'custom_id' is longer than 512 "
+                                      "characters.", number, "custom_id"))
+            continue
+        if custom_id in seen:
+            errors.append(_line_error("duplicate_custom_id", f"The custom_id {custom_id!r} "
+                                      "is used by another request in this file.", number,
+                                      "custom_id"))
+            continue
+        seen.add(custom_id)
+        if doc.get("method", "POST") != "POST":
+            errors.append(_line_error("invalid_value", "'method' must be 'POST'.", number,
+                                      "method"))
+            continue
+        if doc.get("url") != batch.endpoint:
+            errors.append(_line_error("invalid_url", f"The url {doc.get('url')!r} does not "
+                                      f"match the batch endpoint {batch.endpoint}.", number,
+                                      "url"))
+            continue
+        body = doc.get("body")
+        try:
+            req = parse(body)
+        except InvalidRequest as exc:
+            errors.append(_line_error("invalid_request", exc.message, number,
+                                      f"body.{exc.param}" if exc.param else "body"))
+            continue
+        if req.stream:
+            errors.append(_line_error("invalid_value", "Batch requests cannot stream.", number,
+                                      "body.stream"))
+            continue
+        models.add(req.model)
+        if len(models) > 1:
+            errors.append(_line_error("mismatched_model", "Every request in a batch must use "
+                                      f"the same model; found {sorted(models)}.", number,
+                                      "body.model"))
+            models = {parsed[0].model} if parsed else set()
+            continue
+        parsed.append(_Parsed(number, custom_id, body, req.model))
+    return parsed, errors
+
+
+def _model_error(principal: KeyPrincipal, model: str) -> str | None:
+    """Return why the caller may not run ``model`` (existence, key, data zone, residency
+    narrowing, price), or None: the placement rule of /v1, so a batch /v1 would refuse
+    fails here rather than wait, never run, until it expires."""
+    try:
+        asyncio.run(placement_resolve(principal=principal, model=model))
+    except NotFound as exc:
+        return exc.message
+    return None
+
+
+def batch_validate(*, batch_id: int) -> Batch | None:
+    """Validate a ``validating`` batch's file; load its lines (in_progress) or fail it."""
+    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
+    if batch is None or batch.status != BatchStatus.VALIDATING:
+        return batch
+    errors: list[dict[str, Any]] = []
+    parsed: list[_Parsed] = []
+    path = files.file_path(batch.input_file) if batch.input_file else None
+    if path is None or not path.exists():
+        errors.append(_line_error("file_not_found", "The input file was deleted.", 0))
+    else:
+        with open(path, "rb") as handle:
+            parsed, errors = _parse_input(batch, iter(handle))
+        if not parsed and not errors:
+            errors.append(_line_error("empty_file", "The input file has no requests.", 0))
+    model = parsed[0].model if parsed else ""
+    if not errors:
+        why = _model_error(KeyPrincipal.from_json(batch.principal), model)
+        if why:
+            errors.append(_line_error("model_not_found", why, parsed[0].line_no, "body.model"))
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().get(pk=batch.pk)
+        if locked.status != BatchStatus.VALIDATING:
+            return locked
+        if errors:
+            Batch.objects.filter(pk=batch.pk).update(
+                status=BatchStatus.FAILED, failed_at=now,
+                errors=errors[:MAX_REPORTED_ERRORS], total=0)
+        else:
+            BatchLine.objects.bulk_create(
+                [BatchLine(batch_id=batch.pk, line_no=p.line_no, custom_id=p.custom_id,
+                           body=p.body, request_id=new_request_id())
+                 for p in parsed], batch_size=2000)
+            Batch.objects.filter(pk=batch.pk).update(
+                status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=model,
+                total=len(parsed), heartbeat_at=now)
+    batch.refresh_from_db()
+    return batch
