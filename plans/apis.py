@@ -4,6 +4,9 @@ Catalog endpoints (price books, plans, provisioned offerings) are readable by an
 caller (customers see the public part) and writable by staff. Organization endpoints resolve the
 organization first, so a non-member gets 404 whatever the method; members read, staff write
 (a member's write is 403). Views stay thin: validate, call one service or selector, serialize.
+
+Length: one short view class per endpoint of the catalog and of an organization's holdings,
+each a few lines over a serializer; split by resource when the next surface lands here.
 """
 
 from __future__ import annotations
