@@ -14,6 +14,7 @@ example count bounded, so the suite is deterministic and stays inside CI's time.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -53,23 +54,35 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 CSRF = "fuzzfuzzfuzzfuzzfuzzfuzzfuzzfuzz"  # 32 letters: a CSRF secret Django accepts
 
 
-@pytest.fixture(scope="module")
-def api_schema() -> schemathesis.BaseSchema:
-    """The schema, served by the WSGI app that then answers the fuzzed requests in-process."""
-    from billing_platform.wsgi import application
-
-    return schemathesis.openapi.from_wsgi("/api/v1/schema/?format=json", application)
-
-
-@pytest.fixture(autouse=True)
-def _keep_the_test_connection() -> Iterator[None]:
+@contextlib.contextmanager
+def _test_connection_kept() -> Iterator[None]:
     """As Django's test client does, keep the test's database connection across requests (in
     production each request closes an old one), so the app sees the test's objects."""
     request_started.disconnect(close_old_connections)
     request_finished.disconnect(close_old_connections)
-    yield
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
+    try:
+        yield
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+
+
+@pytest.fixture(scope="module")
+def api_schema() -> schemathesis.BaseSchema:
+    """The schema, served by the WSGI app that then answers the fuzzed requests in-process.
+
+    Loaded before any test's database is open (a module fixture): with the request signals
+    connected, an earlier test's connection would be health-checked here, outside any test."""
+    from billing_platform.wsgi import application
+
+    with _test_connection_kept():
+        return schemathesis.openapi.from_wsgi("/api/v1/schema/?format=json", application)
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_test_connection() -> Iterator[None]:
+    with _test_connection_kept():
+        yield
 
 
 class _Rollback(Exception):
