@@ -31,6 +31,7 @@ from plans import concurrency
 
 log = logging.getLogger(__name__)
 
+
 class _Disconnected(Exception):
     pass
 
