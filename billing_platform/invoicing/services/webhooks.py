@@ -23,6 +23,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from billing_platform import errors
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import stripe_client
@@ -193,9 +194,10 @@ class WebhookNotConfigured(DomainError):
     status = 503
 
 
-class PayloadTooLarge(DomainError):
+class PayloadTooLarge(errors.PayloadTooLarge):
+    """The platform's 413, under the code this endpoint has always answered with."""
+
     code = "payload_too_large"
-    status = 413
 
 
 def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
