@@ -34,6 +34,7 @@ INSTALLED_APPS = [
     "billing_platform.gateway",
     "billing_platform.invoicing",
     "billing_platform.console",
+    "billing_platform.finance",
     "metering",
     "plans",
     "engine_adapter",

@@ -11,6 +11,7 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="console:dashboard", permanent=False)),
     path("admin/", admin.site.urls),
     path("v1/", include("billing_platform.gateway.urls")),
+    path("api/v1/", include("billing_platform.finance.urls")),
     path("api/v1/", include("billing_platform.accounts.urls")),
     path("api/v1/", include("metering.urls")),
     path("api/v1/", include("plans.urls")),

@@ -34,6 +34,13 @@ FORBIDDEN_ARROWS = (
     ("billing_platform.invoicing", "billing_platform.gateway"),
     ("billing_platform.accounts", "billing_platform.gateway"),
     ("billing_platform.accounts", "billing_platform.invoicing"),
+    # finance composes the others; nothing imports it but the console and the URL map
+    *((importer, "billing_platform.finance") for importer in (
+        "engine_adapter", "metering", "plans", "billing_platform.accounts",
+        "billing_platform.audit", "billing_platform.invoicing", "billing_platform.gateway",
+        "billing_platform.idempotency", "billing_platform.api")),
+    ("billing_platform.finance", "billing_platform.gateway"),
+    ("billing_platform.finance", "billing_platform.console"),
 )
 
 

@@ -1,0 +1,1 @@
+"""The platform's finance workspace: reports across organizations and finance's operations."""
