@@ -144,6 +144,18 @@ def stripe_settings(settings, localstripe_url):
 
 
 @pytest.fixture(scope="session")
+def stripe_webhook_inbox(localstripe_url):
+    """The stand-in's signed webhook deliveries (every event it emits, signed with the
+    ``stripe_settings`` secret), for a test to take and post to the platform."""
+    from tests.stripe_inbox import StripeInbox
+
+    inbox = StripeInbox()
+    inbox.register(localstripe_url, secret="whsec_tollgate_test")
+    yield inbox
+    inbox.close()
+
+
+@pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
     """Before the test database is dropped, end sessions that threads or children left open."""
     yield

@@ -1,15 +1,36 @@
-"""localstripe, plus Stripe's idempotent requests: the Stripe stand-in the tests start.
+"""localstripe, plus what the platform needs of Stripe that it lacks: the tests' Stripe stand-in.
 
-localstripe speaks Stripe's API over HTTP but ignores the ``Idempotency-Key`` header, and the
-platform's "never a double charge" rests on that header: a charge whose answer was lost (a
-network error, a worker killed before it recorded the result) is sent again with the same
-key, and Stripe answers with the first result instead of charging again. This wrapper adds
-that behaviour as Stripe documents it: per key (and API key), the first result of a request
-that ran (2xx, or 402 for a declined card) is saved and replayed with
-``Idempotent-Replayed: true``; the same key with other parameters is a 400
-``idempotency_error``; requests with one key run one at a time. It also gives PaymentIntents
-Stripe's ``amount_received`` (the amount once succeeded, else 0), which localstripe leaves
-out and the platform pays by. Nothing else changes.
+localstripe speaks Stripe's API over HTTP; this wrapper adds, as Stripe documents them:
+
+- Idempotent requests. localstripe ignores the ``Idempotency-Key`` header, and the platform's
+  "never a double charge" rests on that header: a charge whose answer was lost (a network
+  error, a worker killed before it recorded the result) is sent again with the same key, and
+  Stripe answers with the first result instead of charging again. Per key (and API key), the
+  first result of a request that ran (2xx, or 402 for a declined card) is saved and replayed
+  with ``Idempotent-Replayed: true``; the same key with other parameters is a 400
+  ``idempotency_error``; requests with one key run one at a time.
+- PaymentIntents' ``amount_received`` (the amount once succeeded, else 0), which localstripe
+  leaves out and the platform pays by.
+- Refunds as Stripe checks and reports them: ``/v1/refunds`` exists in localstripe, but it
+  refunds past the charge's amount and emits no event. Here a refund beyond what is left is a
+  400 ``amount_too_large`` (``param: amount``), a fully refunded charge a 400
+  ``charge_already_refunded``, a disputed one a 400 ``charge_disputed``; a refund's
+  ``payment_intent`` is set also when it names the charge; and each refund emits
+  ``refund.created`` and ``charge.refunded`` (the charge with its cumulative
+  ``amount_refunded`` and ``refunded``).
+- Disputes, which localstripe lacks: a charge of Stripe's test card 4000000000000259
+  (``pm_card_createDispute``) succeeds and is disputed at once (``fraudulent``,
+  ``needs_response``, ``charge.dispute.created``; the charge is ``disputed``).
+  ``/v1/disputes`` (list, by ``charge`` or ``payment_intent``), ``/v1/disputes/{id}``
+  (retrieve; update ``evidence``/``metadata``/``submit``) and ``/v1/disputes/{id}/close``
+  behave as in Stripe's test mode: evidence whose ``uncategorized_text`` is
+  ``winning_evidence`` wins the dispute, ``losing_evidence`` loses it, other evidence puts it
+  ``under_review``; closing accepts the loss. Each change emits ``charge.dispute.updated``,
+  and ``charge.dispute.closed`` once it is won or lost.
+
+Events go out through localstripe's own webhooks (``POST /_config/webhooks/<id>`` with
+``url``, ``secret``, ``events``), signed with Stripe's scheme (``Stripe-Signature:
+t=...,v1=HMAC-SHA256``), and are listed at ``/v1/events`` as Stripe lists them.
 
     python tests/stripe_standin.py --port 8420 --from-scratch
 """
@@ -18,9 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from typing import Any
 
 from aiohttp import web
 from localstripe import resources, server
+from localstripe.errors import UserError
+from localstripe.webhooks import schedule_webhook
 
 _saved: dict[tuple[str, str], tuple[str, int, bytes, str]] = {}
 _locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -57,7 +81,201 @@ def _amount_received(intent: resources.PaymentIntent) -> int:
     return intent.amount if intent.status == "succeeded" else 0
 
 
-if __name__ == "__main__":
+def _emit(kind: str, obj: resources.StripeObject) -> None:
+    schedule_webhook(resources.Event(kind, obj))
+
+
+# --- refunds -------------------------------------------------------------------------------
+
+def _money_text(minor: int, currency: str) -> str:
+    return f"{minor / 100:.2f} {currency}"
+
+
+def _refund_checks(charge: Any = None, payment_intent: Any = None, amount: Any = None,
+                   **_: Any) -> None:
+    """Refuse what Stripe refuses before refunding; malformed input is left to localstripe."""
+    charge_obj = None
+    if isinstance(charge, str):
+        charge_obj = resources.store.get("charge:" + charge)
+    elif isinstance(payment_intent, str):
+        intent = resources.store.get("payment_intent:" + payment_intent)
+        charge_obj = intent.latest_charge if intent is not None else None
+    if charge_obj is None or charge_obj.status != "succeeded":
+        return
+    if _disputes_of(charge_obj.id, closed_won=False):
+        raise UserError(400, f"Charge {charge_obj.id} has been charged back; cannot issue a "
+                             "refund.", {"code": "charge_disputed", "charge": charge_obj.id})
+    left = charge_obj.amount - charge_obj.amount_refunded
+    if left <= 0:
+        raise UserError(400, f"Charge {charge_obj.id} has already been refunded.",
+                        {"code": "charge_already_refunded", "charge": charge_obj.id})
+    wanted = resources.try_convert_to_int(amount)
+    if isinstance(wanted, int) and wanted > left:
+        raise UserError(
+            400, f"Refund amount ({_money_text(wanted, charge_obj.currency)}) is greater than "
+                 f"unrefunded amount on charge ({_money_text(left, charge_obj.currency)})",
+            {"code": "amount_too_large", "param": "amount"})
+
+
+def _refund_api_create(cls: type[resources.Refund], **data: Any) -> resources.Refund:
+    _refund_checks(**data)
+    refund = cls(**data)
+    charge = resources.Charge._api_retrieve(refund.charge)
+    refund.payment_intent = refund.payment_intent or charge.payment_intent
+    _emit("refund.created", refund)
+    _emit("charge.refunded", charge)
+    return refund
+
+
+# --- disputes ------------------------------------------------------------------------------
+
+DISPUTE_CARD = "4000000000000259"  # Stripe's test card: the charge succeeds, then is disputed
+EVIDENCE_FIELDS = (
+    "access_activity_log", "billing_address", "cancellation_policy",
+    "cancellation_policy_disclosure", "cancellation_rebuttal", "customer_communication",
+    "customer_email_address", "customer_name", "customer_purchase_ip", "customer_signature",
+    "duplicate_charge_documentation", "duplicate_charge_explanation", "duplicate_charge_id",
+    "product_description", "receipt", "refund_policy", "refund_policy_disclosure",
+    "refund_refusal_explanation", "service_date", "service_documentation", "shipping_address",
+    "shipping_carrier", "shipping_date", "shipping_documentation", "shipping_tracking_number",
+    "uncategorized_file", "uncategorized_text")
+CLOSED = ("won", "lost", "warning_closed")
+
+
+class Dispute(resources.StripeObject):
+    """A dispute (chargeback) of one charge, for its full amount."""
+
+    object = "dispute"
+    _id_prefix = "dp_"
+
+    def __init__(self, charge: resources.Charge, reason: str = "fraudulent") -> None:
+        super().__init__()
+        self.amount = charge.amount
+        self.currency = charge.currency
+        self.charge = charge.id
+        self.payment_intent = charge.payment_intent
+        self.reason = reason
+        self.status = "needs_response"
+        self.is_charge_refundable = False
+        self.balance_transactions: list[Any] = []
+        self.evidence: dict[str, Any] = dict.fromkeys(EVIDENCE_FIELDS)
+        self.evidence_details = {"due_by": self.created + 7 * 86400, "has_evidence": False,
+                                 "past_due": False, "submission_count": 0}
+        self.metadata: dict[str, str] = {}
+
+    @classmethod
+    def _api_create(cls, **data: Any) -> Dispute:
+        raise UserError(405, "Disputes are opened by the cardholder's bank, not through the "
+                             "API.")
+
+    @classmethod
+    def _api_delete(cls, id: str) -> Any:
+        raise UserError(405, "Method Not Allowed")
+
+    @classmethod
+    def _api_update(cls, id: str, evidence: Any = None, metadata: Any = None,
+                    submit: Any = None, **kwargs: Any) -> Dispute:
+        if kwargs:
+            raise UserError(400, f"Received unknown parameter: {next(iter(kwargs))}",
+                            {"param": next(iter(kwargs))})
+        dispute = cls._api_retrieve(id)
+        if evidence is not None and not isinstance(evidence, dict):
+            raise UserError(400, "Invalid hash", {"param": "evidence"})
+        unknown = sorted(set(evidence or {}) - set(EVIDENCE_FIELDS))
+        if unknown:
+            raise UserError(400, f"Received unknown parameter: evidence[{unknown[0]}]",
+                            {"param": f"evidence[{unknown[0]}]"})
+        if metadata is not None and not isinstance(metadata, dict):
+            raise UserError(400, "Invalid hash", {"param": "metadata"})
+        if dispute.status in CLOSED:
+            raise UserError(400, f"This dispute is already closed ({dispute.status}).")
+        dispute.evidence.update(evidence or {})
+        dispute.metadata.update(metadata or {})
+        if resources.try_convert_to_bool(submit) is not False and evidence:
+            dispute.evidence_details["has_evidence"] = True
+            dispute.evidence_details["submission_count"] += 1
+            text = str(dispute.evidence.get("uncategorized_text") or "")
+            dispute.status = ("won" if "winning_evidence" in text
+                              else "lost" if "losing_evidence" in text else "under_review")
+        _emit("charge.dispute.updated", dispute)
+        if dispute.status in CLOSED:
+            _emit("charge.dispute.closed", dispute)
+        return dispute
+
+    @classmethod
+    def _api_close(cls, id: str, **kwargs: Any) -> Dispute:
+        if kwargs:
+            raise UserError(400, f"Received unknown parameter: {next(iter(kwargs))}")
+        dispute = cls._api_retrieve(id)
+        if dispute.status in CLOSED:
+            raise UserError(400, f"This dispute is already closed ({dispute.status}).")
+        dispute.status = "lost"
+        _emit("charge.dispute.updated", dispute)
+        _emit("charge.dispute.closed", dispute)
+        return dispute
+
+    @classmethod
+    def _api_list_all(cls, url: str, charge: Any = None, payment_intent: Any = None,
+                      limit: Any = None, starting_after: Any = None,
+                      **kwargs: Any) -> resources.List:
+        if kwargs:
+            raise UserError(400, f"Received unknown parameter: {next(iter(kwargs))}")
+        li = super()._api_list_all(url, limit=limit, starting_after=starting_after)
+        li._list = [d for d in li._list
+                    if (charge is None or d.charge == charge)
+                    and (payment_intent is None or d.payment_intent == payment_intent)]
+        li._list.sort(key=lambda d: d.created, reverse=True)
+        return li
+
+
+def _disputes_of(charge_id: str, *, closed_won: bool = True) -> list[Dispute]:
+    return [obj for key, obj in resources.store.items()
+            if key.startswith("dispute:") and obj.charge == charge_id
+            and (closed_won or obj.status != "won")]
+
+
+_trigger_payment = resources.Charge._trigger_payment
+
+
+def _trigger_payment_then_dispute(self: resources.Charge, on_success: Any = None) -> None:
+    """Pay as localstripe does; a charge of the dispute test card is then disputed."""
+    def succeeded() -> None:
+        if on_success:
+            on_success()
+        method = resources.PaymentMethod._api_retrieve(self.payment_method)
+        if getattr(method, "_card_number", "") == DISPUTE_CARD:
+            _emit("charge.dispute.created", Dispute(self))
+
+    _trigger_payment(self, on_success=succeeded)
+
+
+_canonical_test_article = resources.PaymentMethod._try_get_canonical_test_article.__func__
+
+
+def _test_article(cls: type[resources.PaymentMethod], id: str) -> Any:
+    if id == "pm_card_createDispute":
+        return resources.PaymentMethod(type="card", card={
+            "number": DISPUTE_CARD, "exp_month": "12", "exp_year": "2030", "cvc": "123"})
+    return _canonical_test_article(cls, id)
+
+
+def install() -> None:
+    """Patch localstripe and add the routes above to its app (before it starts)."""
     resources.PaymentIntent.amount_received = property(_amount_received)
-    server.app.middlewares.insert(0, idempotency_middleware)
+    resources.Refund._api_create = classmethod(_refund_api_create)
+    resources.Charge._trigger_payment = _trigger_payment_then_dispute
+    resources.Charge.disputed = property(lambda self: bool(_disputes_of(self.id)))
+    resources.PaymentMethod._try_get_canonical_test_article = classmethod(_test_article)
+    app = server.app
+    app.middlewares.insert(0, idempotency_middleware)
+    app.router.add_route("POST", "/v1/disputes/{id}/close",
+                         server.api_extra(Dispute._api_close, "/v1/disputes/{id}/close"))
+    for method, url, route in (("GET", "/v1/disputes/{id}", server.api_retrieve),
+                               ("POST", "/v1/disputes/{id}", server.api_update),
+                               ("GET", "/v1/disputes", server.api_list_all)):
+        app.router.add_route(method, url, route(Dispute, url))
+
+
+if __name__ == "__main__":
+    install()
     server.start()

@@ -13,6 +13,7 @@ from typing import Any
 import stripe
 from django.conf import settings
 
+from billing_platform.errors import InvalidRequest
 from billing_platform.invoicing.metrics import stripe_call
 
 
@@ -52,6 +53,35 @@ def payment_intent_create(*, amount: int, currency: str, customer_id: str, payme
                 "metadata": metadata},
         options={"idempotency_key": idempotency_key},
     )
+
+
+@stripe_call("refund_create")
+def refund_create(*, payment_intent_id: str, amount_minor: int, currency: str,
+                  idempotency_key: str, metadata: dict[str, str]) -> dict[str, Any]:
+    """Refund ``amount_minor`` of a PaymentIntent's charge; return Stripe's Refund as a dict.
+
+    ``currency`` is the currency the caller means to refund in; a Refund takes its charge's
+    currency, so a mismatch is refused (``InvalidRequest``) before any money moves, as is an
+    amount that is not a positive integer. Stripe's own refusals (more than is left to refund,
+    a charge already refunded or disputed) are ``stripe.InvalidRequestError`` with its
+    ``code``. Build ``idempotency_key`` from our own rows (``credit_note:<id>:refund``), so a
+    retry never refunds twice; Stripe sends ``charge.refunded`` when the refund is made.
+    """
+    if not isinstance(amount_minor, int) or isinstance(amount_minor, bool) or amount_minor <= 0:
+        raise InvalidRequest("A refund's amount is a positive whole number of minor units.",
+                             param="amount_minor")
+    charged_in = str(payment_intent_retrieve(payment_intent_id).currency or "").lower()
+    if charged_in != currency.lower():
+        raise InvalidRequest(f"PaymentIntent {payment_intent_id} was charged in "
+                             f"{charged_in.upper() or 'no currency'}, not {currency.upper()}.",
+                             param="currency")
+    refund = client().v1.refunds.create(
+        params={"payment_intent": payment_intent_id, "amount": amount_minor,
+                "metadata": metadata},
+        options={"idempotency_key": idempotency_key},
+    )
+    result: dict[str, Any] = refund.to_dict()
+    return result
 
 
 @stripe_call("payment_intent_retrieve")
