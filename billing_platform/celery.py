@@ -55,6 +55,7 @@ app.conf.task_routes = {
     "metering.*": {"queue": Queues.METERING.value},
     "plans.*": {"queue": Queues.QUOTA.value},
     "invoicing.*": {"queue": Queues.BILLING.value},
+    "finance.*": {"queue": Queues.BILLING.value},
     "batch.*": {"queue": Queues.BATCH.value},
     "fleet.*": {"queue": Queues.FLEET.value},
 }
@@ -82,6 +83,8 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
         # rated = billed for every org; a run that outlives its slot is dropped, not queued up
         "invoicing-billing-invariant": _every(21600.0, "invoicing.billing_invariant",
                                               expires=21000.0),
+        # a day not exported yet is exported; one that is, left as it is (finance/exports.py)
+        "finance-export": _every(env.FINANCE_EXPORT_S, "finance.export", expires=3600.0),
         "metering-replay-spool": _every(metering_conf.spool_replay_s(), "metering.replay_spool"),
         "metering-ensure-partitions": _every(3600.0, "metering.ensure_partitions"),
     }

@@ -182,3 +182,13 @@ BUDGET_WEBHOOK_BACKOFF_S: int = env.int("TOLLGATE_BUDGET_WEBHOOK_BACKOFF_S", def
 # Fault injection for the ingest fault tests (metering/faults.py): ``<point>:<n>`` stalls the
 # n-th pass through a named point of the ingest path; empty, nothing stalls.
 INGEST_STALL_AT: str = env.str("TOLLGATE_INGEST_STALL_AT", default="")
+
+# Warehouse export (billing_platform/finance/exports.py): where each UTC day's CSV.gz files and
+# manifest go, how often beat looks for days to export (daily; each run exports every ended day
+# not exported yet, so a missed beat is caught up), how long after a day ends it waits for late
+# usage to land, and how many days back a run looks.
+FINANCE_EXPORT_DIR: str = env.str("TOLLGATE_FINANCE_EXPORT_DIR",
+                                  default=str(STATE_DIR / "exports"))
+FINANCE_EXPORT_S: float = env.float("TOLLGATE_FINANCE_EXPORT_S", default=86400.0)
+FINANCE_EXPORT_LAG_S: float = env.float("TOLLGATE_FINANCE_EXPORT_LAG_S", default=3600.0)
+FINANCE_EXPORT_BACKFILL_DAYS: int = env.int("TOLLGATE_FINANCE_EXPORT_BACKFILL_DAYS", default=7)

@@ -241,6 +241,11 @@ INVOICING_LATE_LOOKBACK_DAYS = 62   # periods starting this far back are rescann
 INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction
 INVOICING_CLOSE_WORKERS = 2         # chunks closed at once, each on its own connection
 
+# Warehouse export (billing_platform/finance/exports.py; the beat period is in celery.py).
+FINANCE_EXPORT_DIR = E.FINANCE_EXPORT_DIR
+FINANCE_EXPORT_LAG_S = E.FINANCE_EXPORT_LAG_S
+FINANCE_EXPORT_BACKFILL_DAYS = E.FINANCE_EXPORT_BACKFILL_DAYS
+
 # Batch API (/v1/files, /v1/batches): OpenAI's limits, storage directory, execution knobs.
 FILES_DIR = E.FILES_DIR
 FILES_MAX_BYTES = 200 * 1024 * 1024
