@@ -25,6 +25,21 @@ class LineKind(models.TextChoices):
     TAX = "tax", "Tax"
     CREDIT = "credit", "Credit applied"
     ADJUSTMENT = "adjustment", "Adjustment"
+    ONE_OFF = "one_off", "One-off item"
+
+
+class CreditOutcome(models.TextChoices):
+    """What a credit note did with its amount (as Stripe's pre- and post-payment notes)."""
+
+    AMOUNT_DUE = "amount_due", "Reduced the amount due"  # an unpaid invoice
+    REFUND = "refund", "Refunded through Stripe"  # a paid invoice, finance's choice
+    CREDIT_BALANCE = "credit_balance", "Credit balance"  # a paid invoice, finance's choice
+
+
+class RefundStatus(models.TextChoices):
+    PENDING = "pending", "Pending"  # committed; sent to Stripe after commit (task)
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"  # Stripe refused it: left for finance
 
 
 class PaymentStatus(models.TextChoices):
@@ -38,4 +53,5 @@ class PaymentStatus(models.TextChoices):
 
 # Lines that are charges (the subtotal tax is computed on).
 CHARGE_KINDS = frozenset({LineKind.USAGE, LineKind.LATE_USAGE, LineKind.PLAN_FEE,
-                          LineKind.RESERVATION_FEE, LineKind.CREDIT_PACK, LineKind.ADJUSTMENT})
+                          LineKind.RESERVATION_FEE, LineKind.CREDIT_PACK, LineKind.ADJUSTMENT,
+                          LineKind.ONE_OFF})

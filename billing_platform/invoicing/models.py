@@ -5,10 +5,15 @@ that rounded once to the currency's minor unit (``money.quantize_money``). An in
 ``total`` is the sum of its lines' ``amount`` (tax and credits are lines too), and
 ``amount_due`` is what is left to pay.
 
-A finalized invoice never changes: database triggers (migration 0002) refuse any change to a
-line of a non-draft invoice and to the money, period and number of a non-draft invoice; only
-its status and payment bookkeeping move. Corrections are credit notes (``kind=credit_note``)
-or a void.
+A finalized invoice never changes: database triggers (migrations 0002, 0005) refuse any change
+to a line of a non-draft invoice and to the money, period and number of a non-draft invoice;
+only its status and payment bookkeeping move, and its ``amount_due`` may only fall (a credit
+note on an unpaid invoice reduces what is owed, as Stripe's pre-payment credit notes do).
+Corrections are credit notes (``kind=credit_note``) or a void.
+
+``PendingInvoiceItem`` is a one-off charge (an onboarding fee) that finance adds to an
+organization's next invoice; period close bills it once and records which invoice did.
+``Refund`` is money sent back through Stripe for a credit note on a paid invoice.
 
 ``BilledUsage`` records, per invoice, the exact usage sums it billed for each source period and
 dimension. Late events are whatever the rollups hold for a closed period beyond what was
@@ -25,7 +30,14 @@ from django.db.models import Q
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization, public_id
-from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind, PaymentStatus
+from billing_platform.invoicing.choices import (
+    CreditOutcome,
+    InvoiceKind,
+    InvoiceStatus,
+    LineKind,
+    PaymentStatus,
+    RefundStatus,
+)
 from billing_platform.model_fields import decimal_field_maker
 from plans.choices import TokenClass
 
@@ -93,6 +105,16 @@ class Invoice(models.Model):
     marked_uncollectible_at = models.DateTimeField(null=True, blank=True)
     payment_failures = models.PositiveIntegerField(default=0)
     next_payment_attempt_at = models.DateTimeField(null=True, blank=True)
+    dunning_paused_at = models.DateTimeField(
+        null=True, blank=True, help_text="Set while finance holds dunning: no automatic retry.")
+    written_off_at = models.DateTimeField(
+        null=True, blank=True, help_text="When finance wrote it off as uncollectible.")
+    payment_reference = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="A payment made outside Stripe: the bank transfer's reference.")
+    credit_outcome = models.CharField(
+        max_length=16, blank=True, default="", choices=CreditOutcome.choices,
+        help_text="For a credit note: what its amount did.")
 
     class Meta:
         ordering = ["-period_start", "-id"]
@@ -144,6 +166,9 @@ class InvoiceLine(models.Model):
                                    choices=TokenClass.choices)
     source_period_start = models.DateTimeField(null=True, blank=True)
     source_period_end = models.DateTimeField(null=True, blank=True)
+    corrects_line = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="credits",
+        help_text="On a credit note: the invoice line this line credits.")
     quantity = models.DecimalField(max_digits=30, decimal_places=6, default=ZERO)
     unit = models.CharField(max_length=32, blank=True, default="")
     unit_price = _precise(null=True, blank=True)
@@ -209,6 +234,71 @@ class PaymentAttempt(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["invoice", "number"], name="one_attempt_number"),
         ]
+
+    def __str__(self) -> str:
+        return f"{self.idempotency_key} {self.status}"
+
+
+class PendingInvoiceItem(models.Model):
+    """A one-off charge (an onboarding fee) for an organization's next invoice.
+
+    ``amount`` is in the currency's minor unit, before tax (the invoice taxes it with its other
+    charges). Pending while ``invoice`` is null; the period close that creates the next
+    invoice bills it as a line and sets ``invoice`` in the same transaction, so it is billed
+    exactly once. A void of that invoice does not release it (see ``services.items``).
+    """
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.PROTECT,
+                                     related_name="pending_invoice_items")
+    description = models.CharField(max_length=300)
+    amount = _money()
+    currency = models.CharField(max_length=3)
+    created_at = models.DateTimeField(default=timezone.now)
+    invoice = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="one_off_items")
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        indexes = [models.Index(fields=["organization"], condition=Q(invoice__isnull=True),
+                                name="pending_item_by_org")]
+        constraints = [models.CheckConstraint(condition=Q(amount__gt=0),
+                                              name="pending_item_positive")]
+
+    def __str__(self) -> str:
+        return f"{self.description}: {self.amount} {self.currency}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.public_id:
+            self.public_id = public_id("ii")
+        super().save(*args, **kwargs)
+
+
+class Refund(models.Model):
+    """Money sent back through Stripe for a credit note on a paid invoice.
+
+    Committed (``pending``) with the credit note, then sent after commit by a task with the
+    idempotency key ``credit_note:<id>:refund``, built from our row, so a task that runs twice
+    refunds once.
+    """
+
+    credit_note = models.OneToOneField(Invoice, on_delete=models.PROTECT, related_name="refund")
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="refunds")
+    payment = models.ForeignKey(PaymentAttempt, on_delete=models.PROTECT,
+                                related_name="refunds")
+    amount = _money()
+    currency = models.CharField(max_length=3)
+    idempotency_key = models.CharField(max_length=100, unique=True)
+    status = models.CharField(max_length=16, choices=RefundStatus.choices,
+                              default=RefundStatus.PENDING)
+    stripe_refund_id = models.CharField(max_length=100, blank=True, default="", db_index=True)
+    failure_message = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=Q(amount__gt=0),
+                                              name="refund_positive")]
 
     def __str__(self) -> str:
         return f"{self.idempotency_key} {self.status}"

@@ -31,6 +31,13 @@ def invoice_charge_task(invoice_id: int) -> str:
     return services.invoice_charge(invoice_id=invoice_id)
 
 
+@shared_task(name="invoicing.refund", autoretry_for=STRIPE_TRANSIENT, retry_backoff=5,
+             retry_backoff_max=600, retry_jitter=True, max_retries=10)
+def refund_send_task(refund_id: int) -> str:
+    """Send one credit note's refund to Stripe (never twice: see ``services.refund_send``)."""
+    return services.refund_send(refund_id=refund_id)
+
+
 @shared_task(name="invoicing.dunning")
 def dunning_task() -> int:
     """Enqueue a charge for every invoice whose dunning retry is due."""

@@ -180,10 +180,11 @@ def test_a_credit_note_leaves_one_row_and_a_refused_one_none(open_invoice, finan
     new = NewRows()
     note = services.credit_note_create(invoice=open_invoice, amount=d("10.00"), reason="outage",
                                        acting_user=finance)
-    rows = new()
-    assert [(r.action, r.actor_user_id) for r in rows] == [
-        ("credit_grant.create", finance.id), ("credit_note.create", finance.id)]
-    assert (rows[1].target, rows[1].after["amount"]) == (note.public_id, "10.00")
+    # on an open invoice the note reduces the amount due (no credit grant): one row
+    (row,) = new()
+    assert (row.action, row.actor_user_id) == ("credit_note.create", finance.id)
+    assert (row.target, row.after["amount"]) == (note.public_id, "10.00")
+    assert (row.before["amount_due"], row.after["amount_due"]) == ("49.00", "39.00")
 
     # more than the invoice charged: refused, with no row, no note and no grant
     refused = NewRows()

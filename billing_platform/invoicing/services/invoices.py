@@ -1,11 +1,11 @@
-"""One invoice at a time: finalize a draft made by hand, void, issue a credit note.
+"""One invoice at a time: finalize a draft made by hand, void.
 
 A finalized invoice never changes; a correction is a void (credits it used granted back) or a
-credit note (its amount becomes a credit grant). Each runs in one transaction under the
-invoice's row lock and writes its audit row in it (``invoice.finalize``, ``invoice.void``,
-``credit_note.create``), by ``acting_user``: the action and its row commit or roll back
-together. Numbers come from a gapless sequence per series and year (``invoice_numbers_reserve``,
-which period close uses for its bulk numbering too).
+credit note (``corrections``). Each runs in one transaction under the invoice's row lock and
+writes its audit row in it (``invoice.finalize``, ``invoice.void``), by ``acting_user``: the
+action and its row commit or roll back together. A void does not give back the one-off items
+the invoice billed (``items``). Numbers come from a gapless sequence per series and year
+(``invoice_numbers_reserve``, which period close uses for its bulk numbering too).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from billing_platform.audit.services import audit_record
-from billing_platform.errors import Conflict, InvalidRequest
+from billing_platform.errors import Conflict
 from billing_platform.invoicing.builder import DraftInvoice, Target
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind
 from billing_platform.invoicing.models import Invoice, InvoiceLine
@@ -141,43 +141,3 @@ def invoice_void(*, invoice: Invoice, reason: str = "", acting_user: Any) -> Inv
                                                                invoice.currency))})
     organization_reactivate_if_settled(invoice.organization)
     return invoice
-
-
-@transaction.atomic
-def credit_note_create(*, invoice: Invoice, amount: Decimal, reason: str,
-                       acting_user: Any) -> Invoice:
-    """Issue a credit note against a finalized invoice; its amount becomes a credit grant."""
-    invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
-    if invoice.kind != InvoiceKind.INVOICE or invoice.status in (InvoiceStatus.DRAFT,
-                                                                 InvoiceStatus.VOID):
-        raise Conflict("Credit notes correct finalized, non-void invoices.", param="invoice")
-    if not isinstance(amount, Decimal) or amount <= 0 or quantize_money(
-            amount, invoice.currency) != amount:
-        raise InvalidRequest("amount must be a positive Decimal in minor units.", param="amount")
-    credited = sum((cn.total for cn in invoice.credit_notes.all()), ZERO)
-    if amount > invoice.total + credited:  # credited is negative
-        raise InvalidRequest("A credit note cannot exceed what the invoice charged.",
-                             param="amount")
-    now = timezone.now()
-    series = invoice_series(kind=InvoiceKind.CREDIT_NOTE, at=now)
-    note = Invoice.objects.create(
-        organization=invoice.organization, kind=InvoiceKind.CREDIT_NOTE,
-        number=f"{series}-{invoice_numbers_reserve(series=series, count=1):06d}",
-        status=InvoiceStatus.DRAFT,
-        currency=invoice.currency, period_start=invoice.period_start,
-        period_end=invoice.period_end, subtotal=-amount, total=-amount, amount_due=ZERO,
-        corrects=invoice, memo=reason[:500])
-    InvoiceLine.objects.create(invoice=note, position=1, kind=LineKind.ADJUSTMENT,
-                               description=f"Credit for {invoice.number}: {reason}"[:300],
-                               quantity=Decimal(1), amount_precise=-amount, amount=-amount)
-    note.status, note.finalized_at, note.paid_at = InvoiceStatus.PAID, now, now
-    note.save(update_fields=["status", "finalized_at", "paid_at"])
-    credit_grant_create(organization=invoice.organization, kind=CreditGrantKind.CREDIT_NOTE,
-                        amount=amount, currency=invoice.currency,
-                        note=f"Credit note {note.number} for {invoice.number}",
-                        acting_user=acting_user)
-    audit_record(acting_user=acting_user, organization=invoice.organization_id,
-                 action="credit_note.create", target=note.public_id,
-                 after={"number": note.number, "corrects": invoice.public_id,
-                        "amount": str(amount), "currency": note.currency, "reason": note.memo})
-    return note

@@ -257,21 +257,34 @@ def _charge_attempt_send(attempt: PaymentAttempt, *, customer_id: str, payment_m
 
 
 def invoices_dunning_run(*, now: datetime | None = None) -> list[int]:
-    """Return the open invoices whose retry is due (the task enqueues a charge for each)."""
+    """Return the open invoices whose retry is due (the task enqueues a charge for each).
+
+    Invoices whose dunning finance paused are skipped until resumed (``dunning``).
+    """
     now = now or timezone.now()
     return list(Invoice.objects.filter(status=InvoiceStatus.OPEN,
-                                       next_payment_attempt_at__lte=now)
+                                       next_payment_attempt_at__lte=now,
+                                       dunning_paused_at__isnull=True)
                 .order_by("next_payment_attempt_at").values_list("id", flat=True))
 
 
 @transaction.atomic
 def invoice_mark_paid(*, invoice: Invoice, amount: Decimal | None = None,
-                      now: datetime | None = None, acting_user: Any) -> Invoice:
-    """Record a payment made outside Stripe (bank transfer) for an open/uncollectible invoice."""
+                      reference: str = "", reason: str = "", now: datetime | None = None,
+                      acting_user: Any) -> Invoice:
+    """Record a payment made outside Stripe (bank transfer) for an open/uncollectible invoice.
+
+    ``reference`` (the transfer's reference) is kept on the invoice and, with ``reason``, in
+    the audit row.
+    """
     invoice = Invoice.objects.select_for_update().select_related("organization").get(
         pk=invoice.pk)
+    details = {"method": "out_of_band", "reference": reference[:200], "reason": reason[:500]}
     if not invoice_settle(invoice, amount=invoice.amount_due if amount is None else amount,
-                              now=now or timezone.now(), acting_user=acting_user,
-                              action="invoice.mark_paid", details={"method": "out_of_band"}):
+                          now=now or timezone.now(), acting_user=acting_user,
+                          action="invoice.mark_paid", details=details):
         raise Conflict(f"A {invoice.status} invoice cannot be paid.", param="status")
+    if reference:
+        invoice.payment_reference = reference[:200]
+        invoice.save(update_fields=["payment_reference"])
     return invoice

@@ -6,7 +6,8 @@ same time skips what the first holds), re-check under the lock that the period i
 unbilled, build every invoice with a fixed number of SQL queries (``builder.build_drafts``),
 apply credit grants, take gapless numbers from a locked sequence row, insert invoices, lines,
 the billed-usage ledger and one audit row per invoice (``invoice.finalize``, as a draft
-finalized by hand writes) in bulk, and mark them open. Charges are enqueued after commit. One
+finalized by hand writes) in bulk, mark the one-off items they bill as billed (each exactly
+once), and mark them open. Charges are enqueued after commit. One
 invoice per org per period is also a database constraint, so even a closer that ignored the
 locks could not bill a period twice. Which periods are due is a read (``selectors``).
 """
@@ -30,7 +31,12 @@ from billing_platform.accounts.models import Organization, public_id
 from billing_platform.audit.services import audit_record_many
 from billing_platform.invoicing.builder import DraftInvoice, Target, build_drafts
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus
-from billing_platform.invoicing.models import BilledUsage, Invoice, InvoiceLine
+from billing_platform.invoicing.models import (
+    BilledUsage,
+    Invoice,
+    InvoiceLine,
+    PendingInvoiceItem,
+)
 from billing_platform.invoicing.money import ZERO
 from billing_platform.invoicing.selectors import periods_due
 from billing_platform.invoicing.services.invoices import (
@@ -53,6 +59,7 @@ class CloseReport:
     passes: int = 0
     skipped_locked: int = 0
     failed_orgs: list[int] = field(default_factory=list)  # left open, each logged with its error
+    invoice_ids: list[int] = field(default_factory=list)  # the invoices created
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
@@ -113,6 +120,7 @@ def _persist(drafts: list[DraftInvoice], *, now: datetime, acting_user: Any) -> 
                 output_amount=u.output_amount))
     InvoiceLine.objects.bulk_create(lines, batch_size=5000)
     BilledUsage.objects.bulk_create(billed, batch_size=5000)
+    _consume_items(invoices, drafts)
     ids = [i.id for i in invoices]
     Invoice.objects.filter(id__in=ids, amount_due__gt=0).update(
         status=InvoiceStatus.OPEN, finalized_at=now, due_at=now + net)
@@ -130,8 +138,31 @@ def _persist(drafts: list[DraftInvoice], *, now: datetime, acting_user: Any) -> 
     return invoices
 
 
+_CONSUME_SQL = f"""
+UPDATE {PendingInvoiceItem._meta.db_table} AS i SET invoice_id = v.invoice
+  FROM unnest(%s::bigint[], %s::bigint[]) AS v(item, invoice)
+ WHERE i.id = v.item AND i.invoice_id IS NULL
+"""  # noqa: S608
+
+
+def _consume_items(invoices: list[Invoice], drafts: list[DraftInvoice]) -> None:
+    """Mark the pending items the drafts billed as billed by their invoice (one statement).
+
+    Each item is read pending under the organization's lock and taken only while still
+    pending; an item taken meanwhile would be billed twice, so the chunk is refused instead.
+    """
+    pairs = [(item, invoice.id) for invoice, d in zip(invoices, drafts, strict=True)
+             for item in d.items]
+    if not pairs:
+        return
+    with connection.cursor() as cur:
+        cur.execute(_CONSUME_SQL, [[p[0] for p in pairs], [p[1] for p in pairs]])
+        if cur.rowcount != len(pairs):
+            raise RuntimeError("period close: a pending invoice item was billed meanwhile")
+
+
 def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool,
-                 acting_user: Any) -> tuple[int, int]:
+                 acting_user: Any) -> tuple[list[int], int]:
     """Close one chunk in one transaction; return (invoices created, orgs skipped as locked)."""
     by_org = {t.org_id: t for t in targets}
     with transaction.atomic():
@@ -151,7 +182,7 @@ def _close_chunk(targets: list[Target], *, now: datetime, enqueue_payments: bool
         if enqueue_payments:
             due = [i.id for i in invoices if i.amount_due > 0]
             transaction.on_commit(lambda: invoice_charges_enqueue(due))
-    return len(invoices), len(targets) - len(locked)
+    return [i.id for i in invoices], len(targets) - len(locked)
 
 
 MAX_FAILED_ORGS = 20
@@ -189,7 +220,8 @@ def _close_isolating(targets: list[Target], *, now: datetime, enqueue_payments: 
         return 0
     with report.lock:
         report.skipped_locked += skipped
-    return created
+        report.invoice_ids.extend(created)
+    return len(created)
 
 
 def _close_chunks(chunks: list[list[Target]], *, now: datetime, enqueue_payments: bool,
