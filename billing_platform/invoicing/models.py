@@ -13,7 +13,10 @@ Corrections are credit notes (``kind=credit_note``) or a void.
 
 ``PendingInvoiceItem`` is a one-off charge (an onboarding fee) that finance adds to an
 organization's next invoice; period close bills it once and records which invoice did.
-``Refund`` is money sent back through Stripe for a credit note on a paid invoice.
+``Refund`` is money sent back through Stripe for a credit note on a paid invoice. What Stripe
+reports after payment is kept on the invoice: ``amount_refunded`` (every refund of its charges,
+however made, from ``charge.refunded``), ``amount_disputed`` (open ``Dispute``s) and
+``amount_charged_back`` (disputes lost).
 
 ``BilledUsage`` records, per invoice, the exact usage sums it billed for each source period and
 dimension. Late events are whatever the rollups hold for a closed period beyond what was
@@ -105,6 +108,14 @@ class Invoice(models.Model):
     marked_uncollectible_at = models.DateTimeField(null=True, blank=True)
     payment_failures = models.PositiveIntegerField(default=0)
     next_payment_attempt_at = models.DateTimeField(null=True, blank=True)
+    # What Stripe reported after payment (webhooks): money sent back, disputed, charged back.
+    amount_refunded = _money(default=ZERO, help_text="Refunded through Stripe, in total.")
+    refunded_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a paid invoice's payment was refunded in full.")
+    amount_disputed = _money(
+        default=ZERO, help_text="Under open disputes (chargebacks the bank has not decided).")
+    amount_charged_back = _money(
+        default=ZERO, help_text="Lost to disputes: taken back by the cardholder's bank.")
     dunning_paused_at = models.DateTimeField(
         null=True, blank=True, help_text="Set while finance holds dunning: no automatic retry.")
     written_off_at = models.DateTimeField(
@@ -224,6 +235,8 @@ class PaymentAttempt(models.Model):
                               default=PaymentStatus.PENDING)
     stripe_payment_intent_id = models.CharField(max_length=100, blank=True, default="",
                                                 db_index=True)
+    amount_refunded = _money(default=ZERO,
+                             help_text="Of this charge, refunded (Stripe's amount_refunded).")
     failure_code = models.CharField(max_length=100, blank=True, default="")
     failure_message = models.CharField(max_length=500, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
@@ -302,6 +315,37 @@ class Refund(models.Model):
 
     def __str__(self) -> str:
         return f"{self.idempotency_key} {self.status}"
+
+
+class Dispute(models.Model):
+    """A dispute (chargeback) of one of our charges, as Stripe's webhooks report it.
+
+    ``amount`` (the disputed amount, in the currency's unit) counts in its invoice's
+    ``amount_disputed`` while the dispute is open; once closed it leaves it, and a lost one
+    counts in ``amount_charged_back``. ``status`` is Stripe's (``needs_response``,
+    ``under_review``, ``won``, ``lost``, and the ``warning_*`` of inquiries).
+    """
+
+    stripe_id = models.CharField(max_length=100, unique=True)
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="disputes")
+    payment = models.ForeignKey(PaymentAttempt, on_delete=models.PROTECT,
+                                related_name="disputes")
+    amount = _money()
+    currency = models.CharField(max_length=3)
+    reason = models.CharField(max_length=64, blank=True, default="")
+    status = models.CharField(max_length=32)
+    opened_at = models.DateTimeField(default=timezone.now)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.stripe_id} {self.status}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.closed_at is None
 
 
 class StripeEvent(models.Model):

@@ -38,3 +38,8 @@ def to_minor_units(value: Decimal, currency: str) -> int:
     if rounded != value:
         raise ValueError(f"{value} {currency} is not rounded to the minor unit")
     return int(rounded.scaleb(minor_units(currency)))
+
+
+def from_minor_units(minor: int, currency: str) -> Decimal:
+    """Return an integer count of minor units (what Stripe reports) as an amount."""
+    return Decimal(minor).scaleb(-minor_units(currency))

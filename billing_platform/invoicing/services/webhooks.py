@@ -8,6 +8,13 @@ one is stored raw first and applied exactly once (a replay changes nothing). ``p
 settles what no webhook reported, by sending an unanswered attempt again with its key or
 reading the PaymentIntent back. Outcomes are booked with ``payments``' helpers, so a payment
 and its audit row are the same whether a webhook, the sync or a person recorded it.
+
+After payment, Stripe reports money moving back: ``charge.refunded`` (the charge's running
+``amount_refunded``, recorded on the attempt and summed on the invoice) and
+``charge.dispute.created``/``.updated``/``.closed`` (the invoice's ``amount_disputed`` while a
+dispute is open; a lost one moves to ``amount_charged_back``). They are believed only for a
+charge our attempt recorded and that settled its invoice, each with an audit row; anything
+else is left for finance review, like a payment.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from billing_platform import errors
@@ -28,8 +35,19 @@ from billing_platform.audit.services import audit_record
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import stripe_client
 from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
-from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt, StripeEvent
-from billing_platform.invoicing.money import minor_units, to_minor_units
+from billing_platform.invoicing.models import (
+    BillingAccount,
+    Dispute,
+    Invoice,
+    PaymentAttempt,
+    StripeEvent,
+)
+from billing_platform.invoicing.money import (
+    from_minor_units,
+    minor_units,
+    quantize_money,
+    to_minor_units,
+)
 from billing_platform.invoicing.services.payments import (
     invoice_charge,
     invoice_charges_enqueue,
@@ -178,6 +196,161 @@ def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
     return f"retrying {len(ids)} open invoice(s)"
 
 
+def _text(value: Decimal, currency: str) -> str:
+    return str(quantize_money(value, currency))
+
+
+def _our_settled_charge(obj: dict[str, Any], *, what: str, target: str
+                        ) -> tuple[PaymentAttempt, Invoice] | str:
+    """Find (locked) the attempt and invoice a charge or dispute is about, or review it.
+
+    As for payments, only a charge of ours is believed: found by the PaymentIntent id our
+    attempt recorded, never by metadata; and only one that settled its invoice (an attempt
+    that succeeded) moves money on it. Anything else is ``review: <reason>``, never applied.
+    """
+    pi_id = str(obj.get("payment_intent") or "")
+    attempt = (PaymentAttempt.objects.select_for_update().filter(stripe_payment_intent_id=pi_id)
+               .first() if pi_id else None)
+    currency = str(obj.get("currency") or "").upper()
+    details = {"object": target, "payment_intent": pi_id[:80],
+               "amount": str(obj.get("amount"))[:40], "currency": currency[:8]}
+    if attempt is None:
+        return _review(organization_id=None, target=target,
+                       reason=f"{what} of a charge this platform did not create",
+                       details=details)
+    invoice = (Invoice.objects.select_for_update().select_related("organization")
+               .get(pk=attempt.invoice_id))
+    problem = ""
+    if attempt.status != PaymentStatus.SUCCEEDED:
+        problem = f"{what} of a {attempt.status} payment (it settled nothing here)"
+    elif currency != attempt.currency.upper():
+        problem = f"{what} in {currency or 'no currency'}, the charge is in {attempt.currency}"
+    if problem:
+        return _review(organization_id=invoice.organization_id, target=invoice.public_id,
+                       reason=f"invoice {invoice.number}: {problem}", details=details)
+    return attempt, invoice
+
+
+def _minor_amount(value: object, *, at_most: object) -> int | None:
+    """Stripe's integer amount, if it is one within [0, at_most]."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < 0
+            or not isinstance(at_most, int) or value > at_most):
+        return None
+    return value
+
+
+def _charge_refunded(charge: dict[str, Any], *, now: datetime) -> str:
+    """Record what Stripe refunded of one of our charges on its attempt and invoice.
+
+    ``amount_refunded`` is the charge's running total, so the newest figure wins and an older
+    or replayed event (a lower or equal total) changes nothing. A paid invoice whose payments
+    are refunded in full gets ``refunded_at``; its status stays ``paid`` (it was issued and
+    paid; the refund is money sent back, as Stripe keeps its invoice ``paid``).
+    """
+    found = _our_settled_charge(charge, what="a refund", target=str(charge.get("id"))[:80])
+    if isinstance(found, str):
+        return found
+    attempt, invoice = found
+    refunded_minor = _minor_amount(charge.get("amount_refunded"),
+                                   at_most=to_minor_units(attempt.amount, attempt.currency))
+    if refunded_minor is None:
+        claimed = _money_minor_text(charge.get("amount_refunded"), invoice.currency)
+        return _review(organization_id=invoice.organization_id, target=invoice.public_id,
+                       reason=f"invoice {invoice.number}: a refund of {claimed} on a charge "
+                              f"of {attempt.amount} {attempt.currency}",
+                       details={"payment_intent": attempt.stripe_payment_intent_id})
+    refunded = from_minor_units(refunded_minor, attempt.currency)
+    if refunded <= attempt.amount_refunded:
+        return "no change"
+    before = {"amount_refunded": _text(invoice.amount_refunded, invoice.currency)}
+    attempt.amount_refunded, attempt.updated_at = refunded, now
+    attempt.save(update_fields=["amount_refunded", "updated_at"])
+    invoice.amount_refunded = quantize_money(
+        PaymentAttempt.objects.filter(invoice_id=invoice.id)
+        .aggregate(total=Sum("amount_refunded"))["total"], invoice.currency)
+    in_full = (invoice.status == InvoiceStatus.PAID
+               and invoice.amount_refunded >= invoice.amount_paid > 0)
+    if in_full and invoice.refunded_at is None:
+        invoice.refunded_at = now
+    invoice.save(update_fields=["amount_refunded", "refunded_at"])
+    audit_record(acting_user=None, organization=invoice.organization_id, action="invoice.refund",
+                 target=invoice.public_id, before=before,
+                 after={"amount_refunded": _text(invoice.amount_refunded, invoice.currency),
+                        "currency": invoice.currency, "in_full": str(in_full).lower(),
+                        "charge": str(charge.get("id"))[:80],
+                        "payment_intent": attempt.stripe_payment_intent_id})
+    return ("refunded in full" if in_full
+            else f"refunded {_text(invoice.amount_refunded, invoice.currency)} in total")
+
+
+DISPUTE_CLOSED = frozenset({"won", "lost", "warning_closed"})
+
+
+def _dispute(obj: dict[str, Any], *, now: datetime) -> str:
+    """Apply a dispute's news (opened, or closed won/lost) to its invoice, once.
+
+    An open dispute counts in the invoice's ``amount_disputed``; once closed it leaves it, and
+    a lost one is added to ``amount_charged_back`` (the loss finance sees). A closure whose
+    opening never arrived opens and closes it at once; news of a dispute already closed, or
+    opened twice, changes nothing.
+    """
+    dispute_id = str(obj.get("id") or "")[:100]
+    found = _our_settled_charge(obj, what="a dispute", target=dispute_id[:80])
+    if isinstance(found, str):
+        return found
+    attempt, invoice = found
+    amount_minor = _minor_amount(obj.get("amount"),
+                                 at_most=to_minor_units(attempt.amount, attempt.currency))
+    if amount_minor is None or not dispute_id:
+        return _review(organization_id=invoice.organization_id, target=invoice.public_id,
+                       reason=f"invoice {invoice.number}: a dispute "
+                              f"{dispute_id or 'without an id'} of "
+                              f"{_money_minor_text(obj.get('amount'), invoice.currency)}",
+                       details={"payment_intent": attempt.stripe_payment_intent_id})
+    status = str(obj.get("status") or "")[:32]
+    outcomes = []
+    dispute = Dispute.objects.select_for_update().filter(stripe_id=dispute_id).first()
+    if dispute is None:
+        dispute = Dispute.objects.create(
+            stripe_id=dispute_id, invoice=invoice, payment=attempt,
+            amount=from_minor_units(amount_minor, attempt.currency), currency=attempt.currency,
+            reason=str(obj.get("reason") or "")[:64], status=status, opened_at=now)
+        invoice.amount_disputed += dispute.amount
+        _dispute_audit(invoice, dispute, action="invoice.dispute_open")
+        outcomes.append(f"disputed {_text(dispute.amount, dispute.currency)} {dispute.currency}")
+    if status in DISPUTE_CLOSED and dispute.is_open:
+        dispute.status, dispute.closed_at = status, now
+        dispute.save(update_fields=["status", "closed_at"])
+        invoice.amount_disputed -= dispute.amount
+        lost = status == "lost"
+        if lost:
+            invoice.amount_charged_back += dispute.amount
+        _dispute_audit(invoice, dispute,
+                       action="invoice.dispute_lost" if lost else "invoice.dispute_won")
+        outcomes.append(f"dispute {'lost' if lost else 'won'}")
+    elif dispute.is_open and status != dispute.status:
+        dispute.status = status
+        dispute.save(update_fields=["status"])
+    if not outcomes:
+        return "no change"
+    invoice.save(update_fields=["amount_disputed", "amount_charged_back"])
+    return ", ".join(outcomes)
+
+
+def _dispute_audit(invoice: Invoice, dispute: Dispute, *, action: str) -> None:
+    audit_record(acting_user=None, organization=invoice.organization_id, action=action,
+                 target=invoice.public_id,
+                 after={"dispute": dispute.stripe_id,
+                        "amount": _text(dispute.amount, invoice.currency),
+                        "currency": dispute.currency, "reason": dispute.reason,
+                        "status": dispute.status,
+                        "amount_disputed": _text(invoice.amount_disputed, invoice.currency),
+                        "amount_charged_back": _text(invoice.amount_charged_back,
+                                                     invoice.currency)})
+
+
+DISPUTE_EVENTS = frozenset({"charge.dispute.created", "charge.dispute.updated",
+                            "charge.dispute.closed"})
 PAYMENT_INTENT_EVENTS = frozenset({"payment_intent.succeeded", "payment_intent.payment_failed",
                                    "payment_intent.canceled"})
 
@@ -244,6 +417,10 @@ def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
             raw.outcome = "ignored: no event id"
         elif raw.type in PAYMENT_INTENT_EVENTS:
             raw.outcome = _apply_payment_intent(obj, now=now)
+        elif raw.type == "charge.refunded":
+            raw.outcome = _charge_refunded(obj, now=now)
+        elif raw.type in DISPUTE_EVENTS:
+            raw.outcome = _dispute(obj, now=now)
         elif raw.type == "customer.updated":
             raw.outcome = _customer_updated(obj, now=now)
         else:
