@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Context, Decimal, localcontext
+from typing import Any, NamedTuple
 
+from django.db import connection
 from django.db.models import Min, Q, QuerySet, Sum
 from django.utils import timezone
 
@@ -206,3 +209,80 @@ def usage_events_outside_zone(*, limit: int = 1000) -> list[dict[str, object]]:
     zones = (set(regions) | {"us", "eu"}) - {"global"}
     return usage_events_outside_regions(
         zone_regions={zone: regions.get(zone, set()) for zone in zones}, limit=limit)
+
+
+# --- credit grants across organizations (finance's credits report) ---------------------------
+
+class CreditMovement(NamedTuple):
+    """Credit grants of one currency x kind x expiry month, rolled forward over [start, end).
+
+    ``opening`` is what was left unexpired at ``start``, ``closing`` at ``end`` (the
+    liability); ``granted`` the amounts granted in the range, ``consumed`` what invoices used in
+    it, ``expired`` what was left on grants whose expiry fell in it (breakage). So
+    ``opening + granted - consumed - expired == closing``. ``expiry_month`` is None for grants
+    that never expire. A grant counts from ``granted_at`` on and is gone at ``expires_at``
+    (as ``credit_balance`` reads it): it is outstanding at T when granted before T and expiring
+    after T, and expires in the range when ``start < expires_at <= end``.
+    """
+
+    currency: str
+    kind: str
+    expiry_month: datetime | None
+    grants: int
+    opening: Decimal
+    granted: Decimal
+    consumed: Decimal
+    expired: Decimal
+    closing: Decimal
+
+
+_CREDIT_MOVEMENTS_SQL = """
+WITH a AS (
+    SELECT grant_id,
+           SUM(amount) FILTER (WHERE applied_at < %(start)s) AS before_start,
+           SUM(amount) FILTER (WHERE applied_at < %(end)s) AS before_end,
+           SUM(amount) FILTER (WHERE applied_at >= %(start)s AND applied_at < %(end)s) AS within,
+           SUM(amount) AS applied
+      FROM plans_creditgrantapplication GROUP BY grant_id
+)
+SELECT g.currency, g.kind, date_trunc('month', g.expires_at, 'UTC'), count(*),
+       COALESCE(SUM(g.amount - COALESCE(a.before_start, 0)) FILTER (
+           WHERE g.granted_at < %(start)s
+             AND (g.expires_at IS NULL OR g.expires_at > %(start)s)), 0),
+       COALESCE(SUM(g.amount) FILTER (
+           WHERE g.granted_at >= %(start)s AND g.granted_at < %(end)s), 0),
+       COALESCE(SUM(a.within), 0),
+       COALESCE(SUM(g.amount - COALESCE(a.applied, 0)) FILTER (
+           WHERE g.expires_at > %(start)s AND g.expires_at <= %(end)s
+             AND g.granted_at < %(end)s), 0),
+       COALESCE(SUM(g.amount - COALESCE(a.before_end, 0)) FILTER (
+           WHERE g.granted_at < %(end)s
+             AND (g.expires_at IS NULL OR g.expires_at > %(end)s)), 0)
+  FROM plans_creditgrant g
+  LEFT JOIN a ON a.grant_id = g.id
+ WHERE g.granted_at < %(end)s AND (g.expires_at IS NULL OR g.expires_at > %(start)s){where}
+ GROUP BY 1, 2, 3
+ ORDER BY 1, 2, 3 NULLS LAST
+"""
+
+
+def credit_movements(*, start: datetime, end: datetime, currency: str | None = None,
+                     kind: str | None = None, organization_id: int | None = None
+                     ) -> list[CreditMovement]:
+    """Return every organization's credit grants rolled forward over [start, end), per
+    currency x kind x expiry month (``CreditMovement``). One query."""
+    params: dict[str, Any] = {"start": start, "end": end}
+    where = ""
+    for column, value in (("currency", currency), ("kind", kind),
+                          ("organization_id", organization_id)):
+        if value is not None:
+            params[column] = value
+            where += f" AND g.{column} = %({column})s"
+    with connection.cursor() as cur:
+        cur.execute(_CREDIT_MOVEMENTS_SQL.format(where=where), params)
+        return [CreditMovement._make(row) for row in cur]
+
+
+def plan_kinds(*, codes: Iterable[str]) -> dict[str, str]:
+    """Return the kind (``PlanKind``) of each plan code that exists."""
+    return dict(Plan.objects.filter(code__in=set(codes)).values_list("code", "kind"))
