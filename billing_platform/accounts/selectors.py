@@ -92,6 +92,16 @@ def _load_principal(prefix: str) -> KeyPrincipal | None:
     return KeyPrincipal.from_key(key) if key else None
 
 
+def api_key_principal(*, key_id: int) -> KeyPrincipal | None:
+    """Return a key's principal as PostgreSQL has it now (no cache), or None if it is gone.
+
+    For work that runs long after its key authenticated (a batch's slices): whether the key is
+    still usable, its organization's status and data zone, read afresh.
+    """
+    key = ApiKey.objects.select_related("organization", "project").filter(pk=key_id).first()
+    return KeyPrincipal.from_key(key) if key else None
+
+
 def _from_cache(cached: dict[str, Any]) -> KeyPrincipal | None:
     if cached is keycache.UNKNOWN:
         KEY_LOOKUPS.labels("negative_cache").inc()

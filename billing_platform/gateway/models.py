@@ -77,8 +77,9 @@ class StoredFile(models.Model):
 class Batch(models.Model):
     """One OpenAI batch: its input file, status timestamps and result files.
 
-    ``principal`` is the API key's principal at creation (JSON), so the batch runs and is
-    metered as the key that created it even after the key is rotated.
+    ``principal`` is the API key's principal at creation (JSON): the key the batch runs and is
+    metered as. Whether that key, its organization and its data zone still allow the batch is
+    read afresh while it runs (``batch/standing.py``), never from this copy.
     """
 
     public_id = models.CharField(max_length=40, unique=True, default=_batch_id)

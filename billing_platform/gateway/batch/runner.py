@@ -7,29 +7,33 @@ nothing and waits; interactive traffic always has the engines first.
 
 Each line passes the same request pipeline as a /v1 request (``gateway/pipeline.py``: placement,
 output bound, admission at the batch tier, the engine call, settlement, the Redis-down rule);
-only what becomes of the answer (a line outcome, not a response) is the runner's own.
+only what becomes of the answer (a line outcome, not a response) is the runner's own. What the
+lines run under (the key, its organization, the placement) is read afresh once per heartbeat
+(``standing.py``): when it no longer allows the batch, no further line starts and the batch
+ends ``failed``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
 from billing_platform.accounts.selectors import KeyPrincipal
-from billing_platform.errors import NotFound, Unavailable
+from billing_platform.errors import Unavailable
 from billing_platform.gateway import pipeline
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
+from billing_platform.gateway.batch.standing import Standing, batch_standing
 from billing_platform.gateway.batch.validation import ENDPOINTS
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
 from billing_platform.gateway.services import openai_body, usage_event
@@ -142,25 +146,11 @@ async def _run(batch_id: int, *, slice_s: float) -> str:
     batch = await Batch.objects.filter(pk=batch_id).afirst()
     if batch is None or batch.status != BatchStatus.IN_PROGRESS:
         return "inactive"
-    principal = KeyPrincipal.from_json(batch.principal)
-    regions: set[str] | None
-    policy: quota.QuotaPolicy | None
-    try:
-        placement = await pipeline.placement_resolve(principal=principal, model=batch.model)
-    except NotFound:
-        # Since validation the model left the caller's zone or regions, or lost its price:
-        # nothing runs (nothing is served that cannot be billed, nothing outside the
-        # placement); expiry ends the batch unless that changes first.
-        regions, policy = set(), None
-    else:
-        regions = placement.regions
-        policy = pipeline.admission_policy(placement.policy, tier="batch", regions=regions)
     # A fleet view of this slice's own: its HTTP pool belongs to this event loop.
     fleet = Fleet(salt_secret=settings.SECRET_KEY)
     await sync_to_async(fleet.refresh)()
     try:
-        return await _slice(batch, fleet=fleet, principal=principal, regions=regions,
-                            policy=policy, deadline=time.monotonic() + slice_s)
+        return await _slice(batch, fleet=fleet, deadline=time.monotonic() + slice_s)
     finally:
         await fleet.client.aclose()
         # The DB work of this slice ran in asgiref's sync thread; do not leave its
@@ -234,11 +224,11 @@ class _Pipeline:
     on the engines (and left room unused while the last line of a chunk ran).
     """
 
-    def __init__(self, batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
-                 regions: set[str] | None, policy: quota.QuotaPolicy | None) -> None:
+    def __init__(self, batch: Batch, *, fleet: Fleet) -> None:
         self.batch = batch
-        self.run = functools.partial(_run_line, fleet=fleet, batch=batch, principal=principal,
-                                     regions=regions, policy=policy)
+        self.fleet = fleet
+        self.standing: Standing | None = None  # what lines run under, as of the last heartbeat
+        self.halt: dict[str, Any] | None = None  # why the batch may no longer run
         self.claim_sync = sync_to_async(batch_services.batch_lines_claim)
         self.record_sync = sync_to_async(batch_services.batch_lines_record)
         self.token = ""
@@ -251,12 +241,20 @@ class _Pipeline:
         self.started_at = 0.0  # when lines were last started
 
     @property
+    def regions(self) -> set[str] | None:
+        """Where lines may run now (none before the first heartbeat said)."""
+        return self.standing.regions if self.standing is not None else set()
+
+    @property
     def unwritten_count(self) -> int:
         return sum(map(len, self.unwritten.values()))
 
     async def start(self, n: int) -> None:
         """Send up to ``n`` lines (claiming BATCH_CHUNK more when none wait, at most once per
-        call)."""
+        call) under the last heartbeat's standing."""
+        st = self.standing
+        if st is None:
+            return
         if n > 0 and not self.waiting and not self.drained:
             self.token, lines = await self.claim_sync(batch_id=self.batch.pk,
                                                       limit=settings.BATCH_CHUNK)
@@ -265,7 +263,9 @@ class _Pipeline:
         started = 0
         while started < n and self.waiting:
             line = self.waiting.popleft()
-            self.flying[asyncio.create_task(self.run(line))] = self.token
+            run = _run_line(line, fleet=self.fleet, batch=self.batch, principal=st.principal,
+                            regions=st.regions, policy=st.policy)
+            self.flying[asyncio.create_task(run)] = self.token
             started += 1
         if started:
             self.started_at = time.monotonic()
@@ -310,9 +310,7 @@ class _Pipeline:
         await self.write(force=True)
 
 
-async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
-                 regions: set[str] | None, policy: quota.QuotaPolicy | None,
-                 deadline: float) -> str:
+async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
     """Keep the engines' spare room filled with lines until the deadline or the end.
 
     A live scrape of the engines every PROBE_EVERY_S (``EngineClient.aloads``) says how many
@@ -321,15 +319,16 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
     BATCH_HOST_CPU_CEILING since the last probe (``HostCpu``); in between, a finished line
     is replaced at once while that share allows, so engines are neither scraped per line
     (their /metrics is not cheap) nor left idle until the next scrape. Outcomes are written
-    RECORD_EVERY lines at a time, and the batch's status is read once per HEARTBEAT_S: the
-    database round trips per line were most of what a running batch cost the machine it
-    shares with interactive traffic.
+    RECORD_EVERY lines at a time, and the batch's status and standing (its key, organization
+    and placement: ``standing.batch_standing``) are read once per HEARTBEAT_S, the first time
+    before any line starts: the database round trips per line were most of what a running
+    batch cost the machine it shares with interactive traffic.
     A runner that dies loses only unwritten outcomes: those lines are still leased and run
     again once the lease ends, each recorded once.
     """
     batch_id = batch.pk
     heartbeat = sync_to_async(batch_services.batch_heartbeat)
-    lines = _Pipeline(batch, fleet=fleet, principal=principal, regions=regions, policy=policy)
+    lines = _Pipeline(batch, fleet=fleet)
     why = "slice"
     next_beat = next_probe = 0.0
     share = 0  # how many lines may be in flight, as of the last probe
@@ -342,6 +341,11 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                 if await heartbeat(batch_id=batch_id) != BatchStatus.IN_PROGRESS:
                     why = "stopped"  # finished lines are kept, also when cancelled
                     break
+                standing = await batch_standing(batch)
+                if isinstance(standing, dict):
+                    lines.halt, why = standing, "halted"  # lines in flight finish, kept
+                    break
+                lines.standing = standing
             if time.monotonic() >= next_probe:
                 # lines just started may not have reached their engine: let them be counted
                 await asyncio.sleep(lines.started_at + SEND_GRACE_S - time.monotonic())
@@ -351,7 +355,8 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
                     share, held = 0, held + 1  # the host's CPU has no trough to fill
                 else:
                     await fleet.arefresh_if_stale()
-                    loads = await fleet.client.aloads(_healthy(fleet, batch.model, regions))
+                    loads = await fleet.client.aloads(
+                        _healthy(fleet, batch.model, lines.regions))
                     share = low_priority_share(loads.values(), ours=len(lines.flying),
                                                fraction=settings.BATCH_MAX_RUNNING_FRACTION)
                 next_probe = time.monotonic() + PROBE_EVERY_S
@@ -368,6 +373,9 @@ async def _slice(batch: Batch, *, fleet: Fleet, principal: KeyPrincipal,
         await lines.close()
         log.info("batch %s: slice ended (%s); host CPU held lines back at %d of %d probes",
                  batch.public_id, why, held, probes)
+    if lines.halt is not None:
+        await sync_to_async(batch_services.batch_fail)(batch_id=batch_id, error=lines.halt)
+        return why
     if lines.stop is not None:
         await sync_to_async(batch_services.batch_lines_stop)(batch_id=batch_id,
                                                              error=lines.stop.error)
@@ -394,7 +402,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def batch_run(*, batch_id: int, slice_s: float | None = None) -> str:
-    """Run one slice of a batch; finalize it when done. Return why the slice ended."""
+    """Run one slice of a batch; finalize it when done. Return why the slice ended: ``slice``
+    (time is up, lines remain), ``drained``, ``stopped`` (no longer in progress), ``halted``
+    (its standing stopped it: failed) or ``inactive``."""
     with asyncio.Runner(loop_factory=_loop_factory()) as loop:
         why = loop.run(_run(batch_id, slice_s=slice_s or settings.BATCH_SLICE_S))
     if why in ("drained", "stopped"):

@@ -5,7 +5,8 @@ validation.py; a bad file ends ``failed`` with line-level ``errors``) -> ``in_pr
 run; see runner.py) -> ``finalizing`` (output and error files written) -> ``completed``.
 ``cancel`` moves it to ``cancelling``: pending lines are dropped at once, lines in flight
 finish and are kept, then ``cancelled``. Past ``expires_at`` the sweep moves it to ``expired``
-with what finished.
+with what finished. A batch whose key, organization or placement no longer allows it (see
+standing.py) ends ``failed`` with the reason in ``errors``, keeping what finished.
 
 Exactly-once: a line's result, its new state and its usage event are written by ONE
 conditional UPDATE (``state = running AND lease_token = ours``), and the event is appended to
@@ -340,6 +341,33 @@ def batch_expire(*, batch_id: int) -> None:
         Batch.objects.filter(pk=batch_id).update(status=BatchStatus.FINALIZING,
                                                  finalizing_at=now)
     _finalize(batch_id=batch_id, final=BatchStatus.EXPIRED, stamp="expired_at")
+
+
+def batch_fail(*, batch_id: int, error: dict[str, Any]) -> bool:
+    """End a running batch ``failed`` with ``error`` as its ``errors`` (its key, organization
+    or placement no longer allows it); return whether it was failed now.
+
+    Lines not finished are not run: pending ones, and running ones some other worker holds
+    (its late result is dropped unbilled, as after an expiry), fail with the same code.
+    Finished lines are kept, in the output file, metered once. ``failed`` rather than
+    ``cancelled``: in OpenAI's Batch API ``cancelled`` is what the caller asked for, while
+    ``failed`` is the platform refusing the batch, and carries ``errors`` saying why.
+    """
+    now = timezone.now()
+    line_error = {"code": error["code"], "message": error["message"]}
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().filter(pk=batch_id).first()
+        if locked is None or locked.status != BatchStatus.IN_PROGRESS:
+            return False
+        BatchLine.objects.filter(
+            batch_id=batch_id, state__in=(LineState.PENDING, LineState.RUNNING)).update(
+            state=LineState.FAILED, error=line_error, finished_at=now, lease_until=None,
+            lease_token="")
+        Batch.objects.filter(pk=batch_id).update(status=BatchStatus.FINALIZING,
+                                                 finalizing_at=now, errors=[error])
+    log.warning("batch %s failed: %s", locked.public_id, error["code"])
+    _finalize(batch_id=batch_id, final=BatchStatus.FAILED, stamp="failed_at")
+    return True
 
 
 def batch_finalize_if_done(*, batch_id: int) -> bool:
