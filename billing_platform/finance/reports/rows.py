@@ -22,7 +22,18 @@ class Row:
         return tuple(f.name for f in fields(cls))
 
     def csv_values(self) -> tuple[Any, ...]:
-        return astuple(self)
+        """Return the row's cells: instants as ISO 8601 (``Z`` for UTC, as the JSON answer
+        writes them), None as an empty cell, the rest as they are."""
+        return tuple(_cell(v) for v in astuple(self))
+
+
+def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        text = value.astimezone(UTC).isoformat()
+        return text[:-6] + "Z" if text.endswith("+00:00") else text
+    return value
 
 
 def day(at: datetime) -> date:
