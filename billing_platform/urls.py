@@ -1,4 +1,5 @@
-"""Top-level URL map: /v1 gateway, /api/v1 management API, /console, /admin, /metrics."""
+"""Top-level URL map: /v1 gateway, /api/v1 management API, /console, /finance (the platform's
+finance workspace), /admin, /metrics."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -20,6 +21,7 @@ urlpatterns = [
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("console/", include("billing_platform.console.urls")),
+    path("finance/", include("billing_platform.console.finance_urls")),
     path("metrics", metrics_view, name="metrics"),
 ]
 

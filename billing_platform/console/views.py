@@ -30,6 +30,7 @@ from billing_platform.accounts.selectors import (
 )
 from billing_platform.console import forms
 from billing_platform.errors import DomainError, Forbidden, NotFound
+from billing_platform.finance.permissions import can_read_finance
 
 SESSION_ORG = "console_org"
 
@@ -56,8 +57,9 @@ def org_page(permission: str = "read") -> Callable:
         @wraps(view)
         def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             access = _resolve_access(request)
-            if access is None:
-                return redirect("console:signup")
+            if access is None:  # no organization: the platform's finance team has its own pages
+                return redirect("finance:home" if can_read_finance(request.user)
+                                else "console:signup")
             request.org_access = access  # type: ignore[attr-defined]
             if not access.can(permission):
                 messages.error(request, f"Your role ({access.role}) cannot do that.")

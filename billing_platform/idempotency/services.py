@@ -1,4 +1,6 @@
-"""``idempotent``: the decorator for DRF view methods that charge or grant money."""
+"""``idempotent``: the decorator for DRF view methods that charge or grant money; and
+``idempotent_call``, the same rule for a caller that is not a DRF view (the console's forms,
+which carry their key in a hidden field)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from rest_framework import exceptions
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from billing_platform.errors import InvalidRequest
 from billing_platform.idempotency.models import IdempotentRequest
 
 HEADER = "Idempotency-Key"
@@ -81,6 +84,31 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
             return response
 
     return wrapper
+
+
+def idempotent_call(*, caller: str, key: str, fingerprint: str,
+                    call: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """Run ``call`` once per (caller, key); return its result and whether it was replayed.
+
+    As the decorator does: the result (JSON) is stored with the key in the transaction of
+    whatever ``call`` wrote; the same key with the same ``fingerprint`` returns the stored
+    result without running ``call`` (a concurrent one waits for the first); with another
+    fingerprint it is refused. An exception rolls the writes and the key back together.
+    """
+    if not key.strip() or len(key) > MAX_KEY:
+        raise InvalidRequest(f"An idempotency key is 1 to {MAX_KEY} characters.",
+                             param="idempotency_key")
+    with transaction.atomic():
+        if not _claim(caller, key, fingerprint):
+            first = IdempotentRequest.objects.get(caller=caller, key=key)
+            if first.fingerprint != fingerprint:
+                raise InvalidRequest("This form was already sent with other values; reload "
+                                     "the page to send new ones.", param="idempotency_key")
+            return dict(first.body or {}), True
+        result = call()
+        IdempotentRequest.objects.filter(caller=caller, key=key).update(status_code=200,
+                                                                        body=result)
+        return result, False
 
 
 def idempotent_requests_prune(*, now: Any = None) -> int:
