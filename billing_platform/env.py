@@ -166,6 +166,11 @@ PERIOD_CLOSE_S: float = env.float("TOLLGATE_PERIOD_CLOSE_S", default=900.0)
 GATEWAY_DEFAULT_MAX_TOKENS: int = env.int("TOLLGATE_DEFAULT_MAX_TOKENS", default=4096)
 GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FACTOR",
                                                    default=4.0)
+# /v1 slow clients (gateway/bodies.py, gateway/asgi.py): a request body that sends nothing for
+# this long between two reads is answered 408, and a response that a client does not read for
+# this long (one send blocked) is cut: its engine request aborted, metered client_aborted.
+GATEWAY_BODY_READ_TIMEOUT_S: float = env.float("TOLLGATE_BODY_READ_TIMEOUT_S", default=30.0)
+GATEWAY_SEND_TIMEOUT_S: float = env.float("TOLLGATE_SEND_TIMEOUT_S", default=30.0)
 QUOTA_RESERVATION_TTL_S: float = env.float("TOLLGATE_RESERVATION_TTL_S", default=600.0)
 QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0)
 

@@ -220,6 +220,10 @@ LOGGING = {
 # Gateway: largest /v1 JSON body accepted (413 above it).
 GATEWAY_MAX_BODY_BYTES = 8 * 1024 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+# Slow clients on /v1: seconds a request body may send nothing between two reads (408), and a
+# response's client may read nothing (cut, its engine request aborted). docs/operations.md.
+GATEWAY_BODY_READ_TIMEOUT_S = E.GATEWAY_BODY_READ_TIMEOUT_S
+GATEWAY_SEND_TIMEOUT_S = E.GATEWAY_SEND_TIMEOUT_S
 
 # API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
 API_KEY_CACHE_TTL_S = 300

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from functools import wraps
+from functools import partial, wraps
 from typing import Any
 
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -22,10 +21,10 @@ from billing_platform.errors import (
     DomainError,
     Forbidden,
     InvalidRequest,
-    PayloadTooLarge,
     Unauthenticated,
 )
 from billing_platform.gateway import pipeline, services
+from billing_platform.gateway.bodies import GatewayRequest
 from billing_platform.gateway.errors import MethodNotAllowed, openai_error
 from billing_platform.gateway.validation import parse_chat, parse_completion
 from billing_platform.json_input import json_loads
@@ -36,13 +35,14 @@ View = Callable[..., Awaitable[HttpResponse]]
 
 
 def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("POST",)):
-    """Authenticate the bearer key, check scope and method; answer any domain error the view
-    or a service raises in OpenAI's shape (the one place /v1 maps them)."""
+    """Authenticate the bearer key, check scope and method, take an in-flight slot, then read
+    the body (``gateway/bodies.py``); answer any domain error the view or a service raises in
+    OpenAI's shape (the one place /v1 maps them)."""
 
     def decorator(view: View) -> View:
         @csrf_exempt
         @wraps(view)
-        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        async def wrapper(request: GatewayRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             request_id = new_request_id()
             principal = None
             try:
@@ -53,10 +53,13 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
                     raise Forbidden(f"This API key lacks the '{scope}' scope.",
                                     code="insufficient_scope")
                 # one of the org's in-flight slots, held until the response is sent or the
-                # client goes (gateway/asgi.py releases it; a stream holds it to its end)
-                request.in_flight = await concurrency.aacquire(
+                # client goes (gateway/asgi.py runs the release; a stream holds it to its end)
+                slot = await concurrency.aacquire(
                     org_id=principal.org_id, request_id=request_id,
                     limit=concurrency.limit_of(principal.max_concurrent_requests))
+                request.on_close(partial(concurrency.arelease, slot))
+                # only now, with the caller known, is its body read (under its route's limit)
+                await request.aread_body()
                 response = await view(request, principal, request_id, *args, **kwargs)
             except DomainError as exc:
                 response = openai_error(exc, request_id)
@@ -88,10 +91,6 @@ async def _authenticate(request: HttpRequest) -> KeyPrincipal:
 
 
 def _json_body(request: HttpRequest) -> Any:
-    length = int(request.headers.get("Content-Length") or 0)
-    if length > settings.GATEWAY_MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"Request body of {length} bytes exceeds the limit of "
-                              f"{settings.GATEWAY_MAX_BODY_BYTES} bytes.")
     try:
         return json_loads(request.body)
     except (ValueError, UnicodeDecodeError):
@@ -99,7 +98,9 @@ def _json_body(request: HttpRequest) -> Any:
                              "JSON with Content-Type: application/json.") from None
 
 
-async def _respond(served: services.Served) -> HttpResponse:
+async def _respond(request: GatewayRequest, served: services.Served) -> HttpResponse:
+    if served.close is not None:  # run when the request ends, even if the stream never starts
+        request.on_close(served.close)
     if served.stream is not None:
         response = StreamingHttpResponse(served.stream, content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -112,19 +113,19 @@ async def _respond(served: services.Served) -> HttpResponse:
 
 
 @openai_endpoint()
-async def chat_completions(request: HttpRequest, principal: KeyPrincipal,
+async def chat_completions(request: GatewayRequest, principal: KeyPrincipal,
                            request_id: str) -> HttpResponse:
     req = parse_chat(_json_body(request))
-    return await _respond(await services.serve(principal=principal, req=req,
-                                               request_id=request_id))
+    return await _respond(request, await services.serve(principal=principal, req=req,
+                                                        request_id=request_id))
 
 
 @openai_endpoint()
-async def completions(request: HttpRequest, principal: KeyPrincipal,
+async def completions(request: GatewayRequest, principal: KeyPrincipal,
                       request_id: str) -> HttpResponse:
     req = parse_completion(_json_body(request))
-    return await _respond(await services.serve(principal=principal, req=req,
-                                               request_id=request_id))
+    return await _respond(request, await services.serve(principal=principal, req=req,
+                                                        request_id=request_id))
 
 
 def _model_object(model_id: str) -> dict[str, Any]:

@@ -2,72 +2,97 @@
 
 It does what Django's ASGIHandler does for our views, minus the parts that cost a thread per
 request (a thread-sensitive context, sync signal receivers, sync ``response.close``) and the
-sync-style middleware: read the body (413 above the limit), build Django's ``ASGIRequest``,
-resolve the URL, await the async view, send the response, and cancel the response task when the
-client disconnects (so a stream is aborted at the engine and metered as ``client_aborted``).
-Requests and latencies are counted here (``gateway/metrics.py``), since no middleware sees them.
+sync-style middleware: build Django's request, resolve the URL, await the async view, send the
+response, and cancel the response task when the client disconnects (so a stream is aborted at
+the engine and metered as ``client_aborted``). Requests and latencies are counted here
+(``gateway/metrics.py``), since no middleware sees them.
+
+Memory stays bounded whatever a client sends or stops reading:
+
+- the body is NOT read here: the view's decorator reads it after the bearer key, scope and
+  in-flight slot were checked on the headers (``gateway/bodies.py``: a small in-memory limit
+  for JSON, ``POST /v1/files`` spooled to disk under the file limit, a read timeout). An
+  unknown URL (404), an unknown caller (401) or any refusal before the body was read is
+  answered without reading it, and the connection closed (``Connection: close``), since
+  what the client still sends could not be told from a next request;
+- every ``send`` must go through within ``GATEWAY_SEND_TIMEOUT_S``: a client that stops
+  reading (its socket's buffers full, ``send`` blocked) is cut, its connection dropped, and
+  what it held is given back as for a disconnect (the engine request aborted, metered as
+  ``client_aborted``, the reservation settled, the in-flight slot freed), not after minutes;
+- whatever the request registered to run at its end (``GatewayRequest.on_close``: the engine
+  call of a stream, the in-flight slot, an open download) runs in the ``finally``, also when
+  the client went after the view returned but before the stream was sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from typing import Any
 
 from django.conf import settings
-from django.core.handlers.asgi import ASGIRequest
 from django.db import DatabaseError
 from django.http import HttpResponseBase
 from django.urls import Resolver404, get_resolver
 
-from billing_platform.errors import NotFound, PayloadTooLarge
+from billing_platform.errors import NotFound
 from billing_platform.gateway import db_connections
+from billing_platform.gateway.bodies import ClientGone, GatewayRequest
 from billing_platform.gateway.errors import openai_error, server_error
 from billing_platform.gateway.metrics import request_observed
-from plans import concurrency
 
 log = logging.getLogger(__name__)
+# Routes whose POST body is spooled to disk under the file limit, not read into memory; the
+# allowance on top of the file is for the multipart framing and the other form fields.
+SPOOLED_ROUTES = {"v1-files"}
+MULTIPART_ALLOWANCE = 1024 * 1024
 
 
-class _Disconnected(Exception):
-    pass
-
-
-async def _read_body(receive: Any, limit: int) -> bytes | None:
-    """Return the body, or None if it exceeds ``limit``; raise _Disconnected."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
+class _Stalled(Exception):
+    """A ``send`` did not go through within GATEWAY_SEND_TIMEOUT_S: the client stopped reading."""
 
 
 async def _send_response(response: HttpResponseBase, send: Any) -> None:
+    timeout = settings.GATEWAY_SEND_TIMEOUT_S
+
+    async def emit(message: dict[str, Any]) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await send(message)
+        except TimeoutError:
+            raise _Stalled from None
+
+    if not response.streaming and not response.has_header("Content-Length"):
+        response["Content-Length"] = str(len(response.content))  # else uvicorn chunks it
     headers = [(k.encode("ascii"), v.encode("latin1")) for k, v in response.items()]
-    await send({"type": "http.response.start", "status": response.status_code,
+    await emit({"type": "http.response.start", "status": response.status_code,
                 "headers": headers})
     if response.streaming:
         async with contextlib.aclosing(aiter(response)) as content:
             async for part in content:
-                await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body"})
+                await emit({"type": "http.response.body", "body": part, "more_body": True})
+        await emit({"type": "http.response.body"})
     else:
-        await send({"type": "http.response.body", "body": response.content})
+        await emit({"type": "http.response.body", "body": response.content})
 
 
 async def _wait_disconnect(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _drop_connection(send: Any) -> None:
+    """Drop the connection of a client that stopped reading, now.
+
+    ASGI has no message for it, and uvicorn's close after an unfinished response would wait
+    for the client to read what is buffered, which it does not; so the transport of uvicorn's
+    connection (``send`` is its cycle's) is aborted. Elsewhere the server closes as it does.
+    """
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is not None:
+        transport.abort()
 
 
 class GatewayASGI:
@@ -79,43 +104,51 @@ class GatewayASGI:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
         db_connections.install()  # no request signals here: its executor checks connections
-        limit = settings.GATEWAY_MAX_BODY_BYTES
-        if scope["path"] == "/v1/files":  # batch file uploads (multipart): up to 200 MB
-            limit = settings.FILES_MAX_BYTES + 1024 * 1024
+        request = GatewayRequest(scope, receive)
         try:
-            body = await _read_body(receive, limit)
-        except _Disconnected:
-            return
-        if body is None:
-            error = PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
-            await _send_response(openai_error(error), send)
-            return
-        request = ASGIRequest(scope, io.BytesIO(body))
-        try:
-            match = self.resolver.resolve(request.path_info)
-        except Resolver404:
-            response = openai_error(NotFound(f"Unknown endpoint {request.path_info}.",
-                                             code="unknown_url"))
-            endpoint = "unknown"
-        else:
-            endpoint = match.url_name or "unknown"
             try:
-                response = await match.func(request, *match.args, **match.kwargs)
-            except DatabaseError as exc:  # PostgreSQL away and nothing cached would do: 503
-                response = openai_error(db_connections.unavailable(exc))
-            except Exception:
-                log.exception("unhandled error in %s", request.path_info)
-                response = server_error()
-        request_observed(endpoint, response, time.perf_counter() - t0)
-        try:
-            sender = asyncio.create_task(_send_response(response, send))
-            watcher = asyncio.create_task(_wait_disconnect(receive))
-            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (watcher, sender):
-                if not task.done():
-                    task.cancel()  # a disconnect cancels the stream: the engine call is aborted
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await task
+                match = self.resolver.resolve(request.path_info)
+            except Resolver404:
+                response = openai_error(NotFound(f"Unknown endpoint {request.path_info}.",
+                                                 code="unknown_url"))
+                endpoint = "unknown"
+            else:
+                endpoint = match.url_name or "unknown"
+                if endpoint in SPOOLED_ROUTES and request.method == "POST":
+                    request.spool_body(limit=settings.FILES_MAX_BYTES + MULTIPART_ALLOWANCE)
+                try:
+                    response = await match.func(request, *match.args, **match.kwargs)
+                except ClientGone:
+                    return
+                except DatabaseError as exc:  # PostgreSQL away and nothing cached would do
+                    response = openai_error(db_connections.unavailable(exc))
+                except Exception:
+                    log.exception("unhandled error in %s", request.path_info)
+                    response = server_error()
+            request_observed(endpoint, response, time.perf_counter() - t0)
+            await self._respond(request, response, receive, send)
         finally:
-            # sent, or the client went: the organization's in-flight slot is free again
-            await concurrency.arelease(getattr(request, "in_flight", None))
+            # sent, or the client went: the stream's engine call is closed and metered, the
+            # organization's in-flight slot is free again, open files are closed
+            await request.aclose()
+
+    async def _respond(self, request: GatewayRequest, response: HttpResponseBase,
+                       receive: Any, send: Any) -> None:
+        if not request.body_complete:
+            # Refused before its body was read: what the client still sends is no next
+            # request, so the connection closes after the answer (and nothing reads it).
+            response["Connection"] = "close"
+        tasks = [asyncio.create_task(_send_response(response, send))]
+        if request.body_complete:
+            tasks.append(asyncio.create_task(_wait_disconnect(receive)))
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in reversed(tasks):
+            if not task.done():
+                task.cancel()  # a disconnect cancels the stream: the engine call is aborted
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                try:
+                    await task
+                except _Stalled:
+                    log.info("%s %s: the client read nothing for %g s; connection dropped",
+                             request.method, request.path, settings.GATEWAY_SEND_TIMEOUT_S)
+                    _drop_connection(send)

@@ -3,8 +3,8 @@
 
 Services raise domain errors (``billing_platform.errors``); ``openai_error`` answers ANY of
 them, so a new service error is never a 500 on /v1. The surface's own refusals (no key, wrong
-method, a body over the limit, an unknown URL) are domain errors too, answered the same way;
-only an unexpected exception gets ``server_error``.
+method, a body over the limit or not sent in time, an unknown URL) are domain errors too,
+answered the same way; only an unexpected exception gets ``server_error``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from billing_platform.errors import DomainError, InvalidRequest
 
 TYPE_BY_STATUS = {
     400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-    404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+    404: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
     504: "server_error",
 }
@@ -26,6 +27,13 @@ class MethodNotAllowed(DomainError):
 
     code = "method_not_allowed"
     status = 405
+
+
+class RequestTimeout(DomainError):
+    """The client stopped sending its request body (``GATEWAY_BODY_READ_TIMEOUT_S``)."""
+
+    code = "request_timeout"
+    status = 408
 
 
 def _response(status: int, message: str, *, code: str | None, param: str | None,

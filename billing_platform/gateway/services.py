@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -38,11 +38,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Served:
-    """What the view needs to answer: a JSON body or an SSE stream, plus headers."""
+    """What the view needs to answer: a JSON body or an SSE stream, plus headers.
+
+    ``close`` (a stream's) ends the engine call and meters it, once, whether the stream ran to
+    its end, was cut short or never started: the route awaits it when the request ends, since
+    a client that goes before the first chunk is sent leaves the stream's generator unstarted
+    (so its own ``finally`` never runs) and the engine slot and in-flight count would leak.
+    """
 
     headers: dict[str, str]
     body: dict[str, Any] | None = None
     stream: AsyncIterator[bytes] | None = None
+    close: Callable[[], Awaitable[None]] | None = None
 
 
 async def models_for(principal: KeyPrincipal) -> list[str]:
@@ -138,6 +145,15 @@ class _Accounting:
     started: datetime
     capacity: str
     ticket: quota.Ticket | None
+    _closing: asyncio.Future[None] | None = None
+
+    def finish(self, call: EngineCall) -> asyncio.Future[None]:
+        """Close the engine call and meter it, once: every caller gets the same task, so a
+        disconnect while it runs (the engine connection drained, the event appended) cannot
+        cut it short, and a second caller waits for the first one's."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.close(call))
+        return self._closing
 
     def _event(self, engine: EngineInfo | None, result: CallResult | None) -> dict[str, Any]:
         return usage_event(principal=self.principal, request_id=self.request_id,
@@ -206,9 +222,12 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
                "openai-model": req.model, **rate_headers}
     object_id = _object_id(req.kind, request_id[4:])
     if req.stream:
-        return Served(headers=headers, stream=_relay(call, req=req, tier=tier,
-                                                     object_id=object_id,
-                                                     accounting=accounting))
+        async def close() -> None:
+            await asyncio.shield(accounting.finish(call))
+
+        return Served(headers=headers, close=close,
+                      stream=_relay(call, req=req, tier=tier, object_id=object_id,
+                                    accounting=accounting))
     await accounting.close(call)
     return Served(headers=headers, body=openai_body(call, kind=req.kind,
                                                     request_id=request_id[4:], tier=tier))
@@ -260,16 +279,6 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_id: str,
                  accounting: _Accounting) -> AsyncIterator[bytes]:
     """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
-    closing: asyncio.Future[None] | None = None
-
-    def meter() -> asyncio.Future[None]:
-        # One task, awaited shielded: a disconnect while it runs (the engine connection is
-        # being drained, the event appended) cannot cut it short; the finally waits for it.
-        nonlocal closing
-        if closing is None:
-            closing = asyncio.ensure_future(accounting.close(call))
-        return closing
-
     error_frame = None
     t0 = time.monotonic()
     try:
@@ -292,12 +301,13 @@ async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_i
                                           f"{time.monotonic() - t0:.1f}s of streaming)",
                                           "type": "server_error", "param": None,
                                           "code": exc.code}})
-        await asyncio.shield(meter())
+        await asyncio.shield(accounting.finish(call))
         if error_frame is not None:
             yield error_frame
         yield _sse("[DONE]")
     finally:
         # Client disconnect (generator closed or task cancelled): record what was delivered,
         # or finish recording it if the disconnect came while that ran.
-        if closing is None or not closing.done():
-            await asyncio.shield(meter())
+        closing = accounting.finish(call)
+        if not closing.done():
+            await asyncio.shield(closing)

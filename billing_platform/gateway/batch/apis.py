@@ -6,10 +6,11 @@ keeps relaying interactive streams while a 200 MB upload is stored.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.selectors import KeyPrincipal
@@ -17,6 +18,7 @@ from billing_platform.errors import InvalidRequest
 from billing_platform.gateway.apis import openai_endpoint
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
+from billing_platform.gateway.bodies import GatewayRequest, file_response
 from billing_platform.gateway.models import Batch, StoredFile
 from billing_platform.json_input import json_loads
 
@@ -96,10 +98,11 @@ async def file_detail(request: HttpRequest, principal: KeyPrincipal, request_id:
 
 
 @openai_endpoint(scope=Scope.BATCH, methods=("GET",))
-async def file_content(request: HttpRequest, principal: KeyPrincipal, request_id: str,
+async def file_content(request: GatewayRequest, principal: KeyPrincipal, request_id: str,
                        file_id: str) -> HttpResponse:
     file = await sync_to_async(files.file_get)(org_id=principal.org_id, file_id=file_id)
-    response = FileResponse(files.file_open(file), content_type="application/jsonl")
+    response = await file_response(request, partial(files.file_open, file),
+                                   content_type="application/jsonl")
     response["x-request-id"] = request_id
     return response
 

@@ -52,6 +52,14 @@ def file_open(file: StoredFile) -> IO[bytes]:
                              param="id") from None
 
 
+def incoming_dir() -> Path:
+    """Return where upload bodies are spooled while they arrive (on the files disk, never in
+    memory; the spools are anonymous files, so nothing is left behind)."""
+    path = Path(settings.FILES_DIR) / ".incoming"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _new_path(org_public_id: str, file_id: str) -> tuple[str, Path]:
     rel = f"{org_public_id}/{file_id}.jsonl"
     path = Path(settings.FILES_DIR) / rel
@@ -96,7 +104,7 @@ def _refuse_over_quota(quota: StorageQuota, *, files: int, size: int) -> None:
             param="file", code="file_storage_limit_exceeded")
 
 
-def _refuse_low_disk(incoming: int) -> None:
+def disk_room_check(*, incoming: int) -> None:
     """Refuse to write ``incoming`` more bytes when that leaves less than the reserve free."""
     free = shutil.disk_usage(settings.FILES_DIR).free
     if free - incoming < settings.FILES_DISK_RESERVE_BYTES:
@@ -125,7 +133,7 @@ def file_create(*, org_id: int, org_public_id: str, project_id: int | None, purp
     file = StoredFile(organization_id=org_id, project_id=project_id, purpose=purpose,
                       filename=os.path.basename(filename)[:255], bytes=0, storage_path="")
     rel, path = _new_path(org_public_id, file.public_id)
-    _refuse_low_disk(announced)
+    disk_room_check(incoming=announced)
     size = lines = 0
     last = b"\n"
     try:
@@ -136,7 +144,7 @@ def file_create(*, org_id: int, org_public_id: str, project_id: int | None, purp
                     raise InvalidRequest(f"File is larger than the limit of "
                                          f"{settings.FILES_MAX_BYTES} bytes.", param="file")
                 _refuse_over_quota(quota, files=used_files + 1, size=used_bytes + size)
-                _refuse_low_disk(len(chunk))
+                disk_room_check(incoming=len(chunk))
                 lines += chunk.count(b"\n")
                 last = chunk[-1:]
                 out.write(chunk)
