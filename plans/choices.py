@@ -64,6 +64,7 @@ class MultiplierDimension(models.TextChoices):
 
 class CreditGrantKind(models.TextChoices):
     PROMOTIONAL = "promotional", "Promotional"
+    GOODWILL = "goodwill", "Goodwill"  # granted by finance to make up for a fault of ours
     PURCHASED = "purchased", "Purchased"
     CREDIT_NOTE = "credit_note", "Credit note"
 

@@ -4,6 +4,10 @@ reports (``apis``) and finance's operations (``operations_apis``)."""
 from django.urls import URLPattern, URLResolver, path
 
 from billing_platform.finance import apis
+from billing_platform.finance import operations_apis as ops
+
+INVOICE = "finance/invoices/<str:invoice_id>"
+ORG = "finance/organizations/<str:org_id>"
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("finance/revenue/", apis.RevenueReportApi.as_view(), name="finance-revenue"),
@@ -11,4 +15,23 @@ urlpatterns: list[URLPattern | URLResolver] = [
          name="finance-receivables"),
     path("finance/credits/", apis.CreditsReportApi.as_view(), name="finance-credits"),
     path("finance/customers/", apis.CustomersReportApi.as_view(), name="finance-customers"),
+    # operations (POST, finance.operate, Idempotency-Key)
+    path("finance/periods/close/", ops.PeriodCloseApi.as_view(), name="finance-period-close"),
+    path(f"{INVOICE}/void/", ops.InvoiceVoidApi.as_view(), name="finance-invoice-void"),
+    path(f"{INVOICE}/credit-notes/", ops.CreditNoteCreateApi.as_view(),
+         name="finance-credit-note-create"),
+    path(f"{INVOICE}/mark-paid/", ops.InvoiceMarkPaidApi.as_view(),
+         name="finance-invoice-mark-paid"),
+    path(f"{INVOICE}/retry-charge/", ops.InvoiceRetryChargeApi.as_view(),
+         name="finance-invoice-retry-charge"),
+    path(f"{INVOICE}/dunning/pause/", ops.InvoiceDunningPauseApi.as_view(),
+         name="finance-invoice-dunning-pause"),
+    path(f"{INVOICE}/dunning/resume/", ops.InvoiceDunningResumeApi.as_view(),
+         name="finance-invoice-dunning-resume"),
+    path(f"{INVOICE}/write-off/", ops.InvoiceWriteOffApi.as_view(),
+         name="finance-invoice-write-off"),
+    path(f"{ORG}/credit-grants/", ops.CreditGrantCreateApi.as_view(),
+         name="finance-credit-grant-create"),
+    path(f"{ORG}/invoice-items/", ops.InvoiceItemCreateApi.as_view(),
+         name="finance-invoice-item-create"),
 ]

@@ -92,8 +92,8 @@ def _line_credits(invoice: Invoice, lines: Sequence[LineCredit]) -> list[Invoice
             raise InvalidRequest(f"Invoice {invoice.number} has no creditable line "
                                  f"{credit.position}.", param="lines")
         left = line.amount + credited.get(line.id, ZERO)  # earlier credits are negative
-        amount = left if credit.amount is None else _money(credit.amount, invoice.currency,
-                                                           "lines")
+        amount = left if credit.amount is None else quantize_money(
+            _money(credit.amount, invoice.currency, "lines"), invoice.currency)
         if amount <= 0 or amount > left:
             raise InvalidRequest(f"Line {line.position} has {_text(left, invoice.currency)} "
                                  "left to credit.", param="lines")
@@ -120,8 +120,11 @@ def _refunded_payment(invoice: Invoice, amount: Decimal) -> PaymentAttempt:
         raise Conflict(f"Invoice {invoice.number} was not paid through Stripe, so nothing can "
                        "be refunded there; issue the credit as a credit balance instead.",
                        param="outcome")
-    refunded = (Refund.objects.filter(payment=payment).exclude(status=RefundStatus.FAILED)
-                .aggregate(total=Sum("amount"))["total"]) or ZERO
+    ours = (Refund.objects.filter(payment=payment).exclude(status=RefundStatus.FAILED)
+            .aggregate(total=Sum("amount"))["total"]) or ZERO
+    # what Stripe reported refunded (webhooks) includes ours once sent, and any made in its
+    # dashboard; the larger of the two is the least that is gone
+    refunded = max(ours, payment.amount_refunded)
     if amount > payment.amount - refunded:
         raise InvalidRequest(f"Only {_text(payment.amount - refunded, invoice.currency)} of "
                              "the payment is left to refund.", param="amount")
@@ -169,7 +172,7 @@ def credit_note_create(*, invoice: Invoice, amount: Decimal | None = None,
         total = -sum((ln.amount for ln in note_lines), ZERO)
         param = "lines"
     else:
-        total, param = _money(amount, currency, "amount"), "amount"
+        total, param = quantize_money(_money(amount, currency, "amount"), currency), "amount"
         note_lines = []
     credited = sum((cn.total for cn in invoice.credit_notes.all()), ZERO)  # negative
     if total > invoice.total + credited:

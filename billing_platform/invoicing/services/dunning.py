@@ -105,7 +105,7 @@ def invoice_charge_retry(*, invoice: Invoice, reason: str, acting_user: Any,
             raise Conflict(f"Invoice {invoice.number} has nothing due.", param="amount_due")
         last = invoice.payments.order_by("-number").first()
         if last is not None and last.status != PaymentStatus.FAILED:
-            raise Conflict(f"A charge of invoice {invoice.number} is {last.status}; it is not "
+            raise Conflict(f"Invoice {invoice.number} has a {last.status} charge; it is not "
                            "charged again.", param="invoice")
         before = _state(invoice)
         invoice.next_payment_attempt_at = now

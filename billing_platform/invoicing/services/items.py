@@ -39,6 +39,7 @@ def invoice_item_create(*, organization: Organization, description: str, amount:
             quantize_money(amount, currency) != amount or amount > MAX_ITEM_AMOUNT:
         raise InvalidRequest(f"amount must be a positive amount in {currency}'s minor unit, "
                              f"at most {MAX_ITEM_AMOUNT}.", param="amount")
+    amount = quantize_money(amount, currency)  # the same value, at the currency's places
     description = description.strip()
     if not description or len(description) > 300:
         raise InvalidRequest("description must be 1 to 300 characters.", param="description")
