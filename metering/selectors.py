@@ -385,28 +385,38 @@ class UsageSince(NamedTuple):
 
 
 # Whole hours from the rollups (their org-and-hour index range from the first whole hour on),
-# the hour an instant cuts from its events; one aggregate over all organizations by the
-# dimensions alone, so the result is small whatever the number of organizations.
+# the hour an instant cuts from its events. One small aggregate per organization (LATERAL, so
+# each reads its own index range instead of one hash join over every rollup row), then those
+# summed by bucket and dimensions, so the result is small whatever the number of orgs.
 _SINCE_SQL = f"""
 WITH t AS (
     SELECT org, since, {_HOUR_CEIL.format("since")} AS hs,
            date_trunc(%s, since, 'UTC') AS bucket
       FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, since)
 )
-SELECT bucket, {_DIMS}, SUM(prompt_tokens - cached_tokens), SUM(cached_tokens),
-       SUM(completion_tokens), SUM(input_amount), SUM(cached_input_amount), SUM(output_amount)
-  FROM (SELECT t.bucket, r.{_DIMS.replace(", ", ", r.")}, r.prompt_tokens, r.cached_tokens,
-               r.completion_tokens, r.input_amount, r.cached_input_amount, r.output_amount
-          FROM t JOIN usage_rollup_hourly r ON r.organization_id = t.org AND r.hour >= t.hs
-        UNION ALL
-        SELECT t.bucket, e.{_DIMS.replace(", ", ", e.")}, e.prompt_tokens, e.cached_tokens,
-               e.completion_tokens, {_EVENT_CLASS_SQL}
-          FROM t JOIN usage_event e ON e.organization_id = t.org AND e.event_time >= t.since
-           AND e.event_time < t.hs
-       ) x
- WHERE %s::text IS NULL OR currency = %s::text
+SELECT t.bucket, a.model, a.region, a.service_tier, a.capacity_source, a.currency,
+       SUM(a.input_tokens), SUM(a.cached_tokens), SUM(a.output_tokens), SUM(a.input_amount),
+       SUM(a.cached_input_amount), SUM(a.output_amount)
+  FROM t CROSS JOIN LATERAL (
+        SELECT {_DIMS}, SUM(prompt_tokens - cached_tokens) AS input_tokens,
+               SUM(cached_tokens) AS cached_tokens, SUM(completion_tokens) AS output_tokens,
+               SUM(input_amount) AS input_amount,
+               SUM(cached_input_amount) AS cached_input_amount,
+               SUM(output_amount) AS output_amount
+          FROM (SELECT r.{_DIMS.replace(", ", ", r.")}, r.prompt_tokens, r.cached_tokens,
+                       r.completion_tokens, r.input_amount, r.cached_input_amount,
+                       r.output_amount
+                  FROM usage_rollup_hourly r
+                 WHERE r.organization_id = t.org AND r.hour >= t.hs
+                UNION ALL
+                SELECT e.{_DIMS.replace(", ", ", e.")}, e.prompt_tokens, e.cached_tokens,
+                       e.completion_tokens, {_EVENT_CLASS_SQL}
+                  FROM usage_event e
+                 WHERE t.since < t.hs AND e.organization_id = t.org
+                   AND e.event_time >= t.since AND e.event_time < t.hs) x
+         WHERE %s::text IS NULL OR currency = %s::text
+         GROUP BY 1, 2, 3, 4, 5) a
  GROUP BY 1, 2, 3, 4, 5, 6
- ORDER BY 1, 7, 2, 3, 4, 5
 """  # noqa: S608 (only our own column names are interpolated)
 
 BUCKET_UNITS = frozenset({"day", "month", "quarter", "year"})
@@ -418,7 +428,8 @@ def usage_sums_since(*, since: Mapping[int, datetime], unit: str = "month",
 
     ``since`` maps organization ids to an instant (to the microsecond); every event at or
     after it counts, however late it arrives. ``unit`` is ``date_trunc``'s (one of
-    ``BUCKET_UNITS``); ``currency`` keeps only usage rated in it. One query.
+    ``BUCKET_UNITS``); ``currency`` keeps only usage rated in it. One query; rows in no
+    particular order.
     """
     if unit not in BUCKET_UNITS:
         raise ValueError(f"unit must be one of {sorted(BUCKET_UNITS)}")
@@ -428,3 +439,25 @@ def usage_sums_since(*, since: Mapping[int, datetime], unit: str = "month",
     with connection.cursor() as cur:
         cur.execute(_SINCE_SQL, [unit, orgs, [since[o] for o in orgs], currency, currency])
         return [UsageSince._make(row) for row in cur]
+
+
+_RECORDED_AFTER_SQL = """
+SELECT t.org
+  FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[])
+       AS t(org, lo, hi, since)
+ WHERE EXISTS (SELECT 1 FROM usage_event e
+                WHERE e.organization_id = t.org AND e.event_time >= t.lo
+                  AND e.event_time < t.hi AND e.recorded_at >= t.since)
+"""
+
+
+def usage_recorded_after(*, windows: Sequence[tuple[int, datetime, datetime, datetime]]
+                         ) -> set[int]:
+    """Return the orgs of ``windows`` (org, start, end, since) that have an event with an event
+    time in [start, end) recorded at or after ``since``. One query (one index probe each)."""
+    if not windows:
+        return set()
+    columns = list(zip(*windows, strict=True))
+    with connection.cursor() as cur:
+        cur.execute(_RECORDED_AFTER_SQL, [list(c) for c in columns])
+        return {org for (org,) in cur}

@@ -299,11 +299,21 @@ def _late(targets: list[Target]) -> dict[int, list[tuple[datetime, UsageSum]]]:
     late), and older ones holding an hour metering marked late since then (a spool replayed
     or usage imported months later), so no accepted event is ever left unbilled.
     """
-    ids = [t.org_id for t in targets]
     lookback = timedelta(days=settings.INVOICING_LATE_LOOKBACK_DAYS)
-    periods = _late_periods(targets, lookback)
+    return late_usage_of(targets, _late_periods(targets, lookback))
+
+
+def late_usage_of(targets: list[Target], periods: list[tuple[int, datetime, datetime, str]]
+                  ) -> dict[int, list[tuple[datetime, UsageSum]]]:
+    """Return, per org, what of ``periods`` (org, start, end, currency: finalized earlier
+    periods of the targets' orgs) its invoices have not billed yet, with each period's end.
+
+    Usage now in the rollups minus what the billed-usage ledger says every invoice billed of
+    it; only new amounts or tokens count. ``_late`` picks the periods period close looks at.
+    """
     if not periods:
         return {}
+    ids = [t.org_id for t in targets]
     currency = {(org, ps): cur for org, ps, _, cur in periods}
     seen: dict[tuple[Any, ...], tuple[datetime, _Sums]] = {}
     for u in usage_sums_for_periods(periods=[(org, ps, pe) for org, ps, pe, _ in periods]):

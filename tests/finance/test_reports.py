@@ -238,3 +238,36 @@ def test_customers_top_month_over_month_new_and_churned(ledger):
         (date(2026, 11, 1), "USD"): (2, D("0.34"), 0, 1, D("0.50"))}
     assert [(m.organization_name, m.movement) for m in report.movements
             if m.month == date(2026, 11, 1)] == [("Delta", "churned")]
+
+
+def test_an_event_of_the_last_closed_period_that_arrives_after_its_close_is_accrued(db):
+    # given an org whose billing period ended 30 minutes ago (a plan anchored then), closed
+    # just now with one event of its last hour in it (so no hour of it is marked late)
+    from django.utils import timezone
+
+    from plans.periods import add_months
+
+    make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
+    now = timezone.now()
+    period_end = now - timedelta(minutes=30)
+    anchor = add_months(period_end, -1)
+    org = make_billed_org(name="Anchored", created_at=anchor)
+    plan = plan_services.plan_create(code="od-anchored", name="On demand", kind="on_demand")
+    plan_services.subscription_create(organization=org, plan=plan, starts_at=anchor,
+                                      billing_anchor=anchor)
+    record(org, "billed", period_end - timedelta(minutes=20), prompt_tokens=1_000_000)
+    assert services.period_close_run(now=now, enqueue_payments=False,
+                                     org_ids=[org.id]).invoices == 1
+    assert Invoice.objects.get(organization=org).period_end == period_end
+
+    def accrued() -> Decimal:
+        totals = _revenue(start=anchor - timedelta(days=31), end=now + timedelta(days=62),
+                          org_id=org.id).currency_totals
+        return sum((t.accrued_precise for t in totals), D(0))
+
+    assert accrued() == 0
+    # when an event of its last 10 minutes arrives after the close (within the hour, so
+    # metering does not mark its hour late)
+    record(org, "straggler", period_end - timedelta(minutes=10), prompt_tokens=123_457)
+    # then it is accrued (the next invoice bills it as late usage), to the 10th place
+    assert accrued() == D("0.123457") == UsageEvent.objects.get(request_id="straggler").amount
