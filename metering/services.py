@@ -140,7 +140,10 @@ async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> Appe
         else:
             APPENDS.labels("redis").inc()
             return "redis"
-    return await sync_to_async(_append_without_redis)([data], [payload])
+    # Not thread-sensitive: asgiref's one shared thread keeps a connection nothing checks, so a
+    # PostgreSQL restart left this fallback failing (to the spool) for good; the gateway's
+    # default executor checks each job's connection (gateway/db_connections.py).
+    return await sync_to_async(_append_without_redis, thread_sensitive=False)([data], [payload])
 
 
 def usage_events_record(event_list: Sequence[UsageEventData], *, origin: str) -> RecordResult:

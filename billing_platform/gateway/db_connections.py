@@ -9,7 +9,10 @@ connection that a PostgreSQL restart had broken stayed in its thread for good, a
 until the process restarted. ``install`` gives the loop a default executor that runs every job
 between two ``close_old_connections()`` calls, as Django runs a request between its signals:
 a broken connection is dropped and the next job connects afresh, and ``CONN_MAX_AGE`` and
-``CONN_HEALTH_CHECKS`` mean what they mean for any Django request.
+``CONN_HEALTH_CHECKS`` mean what they mean for any Django request. ``in_thread`` is how a /v1
+view runs its database work there: asgiref's thread-sensitive ``sync_to_async`` (its default)
+runs it in one shared thread that nothing checks, so after a PostgreSQL restart /v1/files and
+/v1/batches answered 503 until the process restarted.
 
 ``unavailable`` is the /v1 error when PostgreSQL is needed and nothing cached would do (a key
 not in the Redis key cache, a fleet view past ``TOLLGATE_FLEET_MAX_STALE_S``): a retryable 503
@@ -19,18 +22,21 @@ in OpenAI's shape, never a 500, logged at most once every ``LOG_EVERY_S``, not p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
+from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections
 
 from billing_platform.errors import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 LOG_EVERY_S = 60.0
 
 
@@ -60,6 +66,17 @@ def install() -> None:
         return
     loop.set_default_executor(ConnectionCheckingExecutor(thread_name_prefix="gateway-db"))
     _loop = loop
+
+
+def in_thread(fn: Callable[P, T]) -> Callable[P, Awaitable[T]]:
+    """Return ``fn`` as a coroutine function that runs in the loop's default executor, between
+    two connection checks (``install``'s executor does them; here they are made explicit, so
+    a view called outside the lean route gets them too).
+
+    For the database work of /v1 views. Each call is one job: run its whole unit of work
+    (a transaction included) in one ``fn``.
+    """
+    return sync_to_async(functools.partial(_between_checks, fn), thread_sensitive=False)
 
 
 _logged_at = float("-inf")

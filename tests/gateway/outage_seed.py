@@ -28,7 +28,7 @@ def main() -> None:
 
     make_price_book(prices=[{"model": "small", "input": "0.50", "output": "1.50"}])
     project = ProjectFactory()
-    secrets = [make_key(project)[1] for _ in range(2)]
+    secrets = [make_key(project, scopes=["inference", "batch"])[1] for _ in range(2)]
     # the simulator runs in the test's process tree: register_engine reads these two fields
     engine = SimpleNamespace(model="small", base_url=sys.argv[1])
     register_engine(engine, pool="small-us", region="us-east", zone="us")

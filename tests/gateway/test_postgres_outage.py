@@ -4,12 +4,13 @@ The test runs its own PostgreSQL (``billing_platform.embedded``) so it can stop 
 gateway on it, and a simulated engine. While PostgreSQL is away the gateway serves from its
 last good fleet view and cached policies and keys, and answers a retryable 503 once the view
 is older than ``TOLLGATE_FLEET_MAX_STALE_S``; after PostgreSQL returns it serves again within
-seconds (its executor threads' broken connections are recycled), and every served request's
-usage event is recorded exactly once.
+seconds (its executor threads' broken connections are recycled), /v1/files and /v1/batches
+included, and every served request's usage event is recorded exactly once.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -89,6 +90,16 @@ class Traffic:
                 time.sleep(0.05)
 
 
+def _files_and_batches(client: openai.OpenAI) -> tuple[list[str], list[str]] | None:
+    """Return the ids /v1/files and /v1/batches list, or None while either answers 503."""
+    try:
+        return ([f.id for f in client.files.list()], [b.id for b in client.batches.list()])
+    except openai.APIStatusError as exc:
+        if (exc.status_code, exc.code) != (503, "service_unavailable"):
+            raise
+        return None
+
+
 def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, metering_stream):
     pg = own_postgres
     sim = start_sim(served_model_name="small", **FAST_RATES)
@@ -98,15 +109,20 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
         text=True)
     first_key, unused_key = json.loads(seeded.stdout.strip().splitlines()[-1])["keys"]
     gateway = start_gateway(tmp_path, env={
-        **metering_stream, "DATABASE_URL": pg.url,
+        **metering_stream, "DATABASE_URL": pg.url, "TOLLGATE_FILES_DIR": str(tmp_path / "files"),
         "TOLLGATE_FLEET_MAX_STALE_S": str(MAX_STALE_S)})
     traffic = Traffic(openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=first_key,
                                     max_retries=0, timeout=20))
     thread = threading.Thread(target=traffic.run, daemon=True)
     thread.start()
     try:
-        # given traffic being served
+        # given traffic being served, and a file stored through /v1/files
         wait_until(lambda: traffic.count("up", 200) >= 20, timeout=60, what="traffic")
+        batch_api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=first_key,
+                                  max_retries=0, timeout=20)
+        stored = batch_api.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        listed = ([stored.id], [])
+        assert _files_and_batches(batch_api) == listed
 
         # when PostgreSQL restarts (fast stop, start)
         traffic.phase = "restarting"
@@ -116,6 +132,9 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
         # then /v1 goes on serving
         wait_until(lambda: traffic.count("restarted", 200) >= 20, timeout=30,
                    what="requests served after the restart")
+        # and so do /v1/files and /v1/batches (their connections are checked too)
+        assert wait_until(lambda: _files_and_batches(batch_api), timeout=30,
+                          what="/v1/files and /v1/batches after the restart") == listed
 
         # when PostgreSQL stays away for longer than the fleet view may be stale
         traffic.phase = "stopping"
@@ -125,12 +144,15 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
         wait_until(lambda: traffic.count("down", 503) >= 5, timeout=60,
                    what="503s once the fleet view is too old")
         assert traffic.count("down", 200) >= 1, "served from the last good view at first"
+        assert _files_and_batches(batch_api) is None  # a 503, never a 500
 
         # when it comes back, /v1 serves again within seconds
         pg.start()
         traffic.phase = "back"
         wait_until(lambda: traffic.count("back", 200) >= 20, timeout=30,
                    what="requests served after PostgreSQL returned")
+        assert wait_until(lambda: _files_and_batches(batch_api), timeout=30,
+                          what="/v1/files and /v1/batches after the outage") == listed
         # and a key the gateway never saw (a lookup in PostgreSQL, not the key cache) works
         fresh = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=unused_key,
                               max_retries=0, timeout=20)

@@ -1,7 +1,8 @@
 """/v1/files and /v1/batches: OpenAI's Files and Batch API (keys need the ``batch`` scope).
 
 Thin async views over the batch services; database work runs in a thread so the event loop
-keeps relaying interactive streams while a 200 MB upload is stored.
+keeps relaying interactive streams while a 200 MB upload is stored: ``in_thread``, whose
+connections are checked as a Django request's are (so they recover from a PostgreSQL restart).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from billing_platform.accounts.choices import Scope
@@ -18,6 +18,7 @@ from billing_platform.errors import InvalidRequest
 from billing_platform.gateway.apis import openai_endpoint
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
+from billing_platform.gateway.db_connections import in_thread
 from billing_platform.gateway.bodies import GatewayRequest, file_response
 from billing_platform.gateway.models import Batch, StoredFile
 from billing_platform.json_input import json_loads
@@ -82,17 +83,17 @@ def _list_files(request: HttpRequest, principal: KeyPrincipal) -> dict[str, Any]
 async def files_root(request: HttpRequest, principal: KeyPrincipal,
                      request_id: str) -> HttpResponse:
     if request.method == "POST":
-        file = await sync_to_async(_upload)(request, principal)
+        file = await in_thread(_upload)(request, principal)
         return _json(files.file_object(file), request_id)
-    return _json(await sync_to_async(_list_files)(request, principal), request_id)
+    return _json(await in_thread(_list_files)(request, principal), request_id)
 
 
 @openai_endpoint(scope=Scope.BATCH, methods=("GET", "DELETE"))
 async def file_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                       file_id: str) -> HttpResponse:
-    file = await sync_to_async(files.file_get)(org_id=principal.org_id, file_id=file_id)
+    file = await in_thread(files.file_get)(org_id=principal.org_id, file_id=file_id)
     if request.method == "DELETE":
-        await sync_to_async(files.file_delete)(file=file)
+        await in_thread(files.file_delete)(file=file)
         return _json({"id": file_id, "object": "file", "deleted": True}, request_id)
     return _json(files.file_object(file), request_id)
 
@@ -100,7 +101,7 @@ async def file_detail(request: HttpRequest, principal: KeyPrincipal, request_id:
 @openai_endpoint(scope=Scope.BATCH, methods=("GET",))
 async def file_content(request: GatewayRequest, principal: KeyPrincipal, request_id: str,
                        file_id: str) -> HttpResponse:
-    file = await sync_to_async(files.file_get)(org_id=principal.org_id, file_id=file_id)
+    file = await in_thread(files.file_get)(org_id=principal.org_id, file_id=file_id)
     response = await file_response(request, partial(files.file_open, file),
                                    content_type="application/jsonl")
     response["x-request-id"] = request_id
@@ -143,8 +144,8 @@ def _list_batches(request: HttpRequest, principal: KeyPrincipal) -> dict[str, An
 async def batches_root(request: HttpRequest, principal: KeyPrincipal,
                        request_id: str) -> HttpResponse:
     if request.method == "POST":
-        return _json(await sync_to_async(_create_batch)(request, principal), request_id)
-    return _json(await sync_to_async(_list_batches)(request, principal), request_id)
+        return _json(await in_thread(_create_batch)(request, principal), request_id)
+    return _json(await in_thread(_list_batches)(request, principal), request_id)
 
 
 def _get_batch(principal: KeyPrincipal, batch_id: str) -> dict[str, Any]:
@@ -160,10 +161,10 @@ def _cancel_batch(principal: KeyPrincipal, batch_id: str) -> dict[str, Any]:
 @openai_endpoint(scope=Scope.BATCH, methods=("GET",))
 async def batch_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                        batch_id: str) -> HttpResponse:
-    return _json(await sync_to_async(_get_batch)(principal, batch_id), request_id)
+    return _json(await in_thread(_get_batch)(principal, batch_id), request_id)
 
 
 @openai_endpoint(scope=Scope.BATCH, methods=("POST",))
 async def batch_cancel(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                        batch_id: str) -> HttpResponse:
-    return _json(await sync_to_async(_cancel_batch)(principal, batch_id), request_id)
+    return _json(await in_thread(_cancel_batch)(principal, batch_id), request_id)
