@@ -173,6 +173,11 @@ GATEWAY_BODY_READ_TIMEOUT_S: float = env.float("TOLLGATE_BODY_READ_TIMEOUT_S", d
 GATEWAY_SEND_TIMEOUT_S: float = env.float("TOLLGATE_SEND_TIMEOUT_S", default=30.0)
 QUOTA_RESERVATION_TTL_S: float = env.float("TOLLGATE_RESERVATION_TTL_S", default=600.0)
 QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0)
+# How old a cached quota policy may still be served while its reloads fail (PostgreSQL
+# down): past it a request gets the reload's error (503). The fleet view's bound is
+# TOLLGATE_FLEET_MAX_STALE_S (engine_adapter/conf.py).
+QUOTA_POLICY_MAX_STALE_S: float = env.float("TOLLGATE_QUOTA_POLICY_MAX_STALE_S",
+                                            default=300.0)
 
 # Budget-alert webhooks (plans/webhooks.py). Customers' URLs may not reach private, loopback,
 # link-local (cloud metadata) or other non-public addresses unless this allows them (a

@@ -270,9 +270,10 @@ BATCH_COMPLETION_WINDOWS = {"24h": 24 * 3600}
 GATEWAY_DEFAULT_MAX_TOKENS = E.GATEWAY_DEFAULT_MAX_TOKENS
 GATEWAY_SATURATION_QUEUE_FACTOR = E.GATEWAY_SATURATION_QUEUE_FACTOR
 # Quotas: admission reservations of crashed requests expire after this; each process caches
-# limits and budgets this long.
+# limits and budgets this long, and while PostgreSQL is down serves them up to MAX_STALE_S old.
 QUOTA_RESERVATION_TTL_S = E.QUOTA_RESERVATION_TTL_S
 QUOTA_POLICY_TTL_S = E.QUOTA_POLICY_TTL_S
+QUOTA_POLICY_MAX_STALE_S = E.QUOTA_POLICY_MAX_STALE_S
 # Requests in flight per organization on /v1 (plans/concurrency.py): the default limit, and how
 # long a slot lives if the process holding it dies.
 ORG_MAX_CONCURRENT_REQUESTS = E.ORG_MAX_CONCURRENT_REQUESTS

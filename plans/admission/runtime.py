@@ -46,7 +46,7 @@ POLICY_TTL_S = settings.QUOTA_POLICY_TTL_S
 POLICY_STALE_S = 30.0
 # How old a policy may still be served while its reloads fail (PostgreSQL down); past that the
 # reload's error reaches the request (the gateway answers 503), as it does with nothing cached.
-POLICY_OUTAGE_STALE_S = 300.0
+POLICY_OUTAGE_STALE_S = settings.QUOTA_POLICY_MAX_STALE_S  # TOLLGATE_QUOTA_POLICY_MAX_STALE_S
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -61,9 +61,10 @@ class _Reloading(Generic[K, V]):
     ``POLICY_STALE_S`` more, or when nothing is cached, the request waits for the reload.
     A reload that fails leaves the old value in place and is tried again by the next request.
 
-    While reloads fail (PostgreSQL down), a value up to ``POLICY_OUTAGE_STALE_S`` old is served
-    without waiting, one reload per key at a time retrying; the outage is logged when it starts
-    and when it ends, and each failed reload counts in ``tollgate_quota_policy_reload_failures``.
+    While reloads fail (PostgreSQL down), a value up to ``POLICY_OUTAGE_STALE_S`` old
+    (``TOLLGATE_QUOTA_POLICY_MAX_STALE_S``, 300 s) is served without waiting, one reload per
+    key at a time retrying; the outage is logged when it starts and when it ends, and each
+    failed reload counts in ``tollgate_quota_policy_reload_failures``.
     """
 
     def __init__(self, load: Callable[..., V]) -> None:
