@@ -392,23 +392,28 @@ def test_a_stream_whose_client_stopped_reading_before_it_began_is_closed_and_met
     org, secret = _tenant()
     quotas.budget_set(organization=org, amount="1000", hard=True)
 
-    # when a client that reads nothing pipelines a long non-streaming answer and then a stream
-    # on one connection: the answer fills the connection's buffers, so the stream's first
-    # send blocks, before its generator ever runs
+    # when a client that reads nothing pipelines, on one connection, a request answered with
+    # 2 MB (a refusal that quotes back a 1 MB unknown parameter) and then a stream: the answer
+    # fills the connection's buffers, so the stream's first send blocks, before its
+    # generator ever runs
     sock = _connect(gateway, small_buffers=True)
-    first = b"".join(_chat(secret, model="fast", max_tokens=30_000))
-    second = b"".join(_chat(secret, stream=True, max_tokens=6_000))
-    sock.sendall(first + second)
+    refused = b"".join(_chat(secret, **{"x" * 1_000_000: 1}))
+    stream = b"".join(_chat(secret, stream=True, max_tokens=6_000))
+    sock.sendall(refused + stream)
 
-    # then the stream is cut all the same: its engine call closed and metered client_aborted
-    # (nothing else closes a stream that never started), its reservation and slot released
-    events = wait_until(lambda: (lambda es: es if len(es) == 2 else None)(_metered(org)),
-                        timeout=120, what="both requests' events")
-    assert [e.status for e in events] == ["ok", "client_aborted"]
-    assert events[1].completion_tokens < 6_000
+    # then the stream is cut all the same: its engine request aborted and metered
+    # client_aborted (nothing else closes a stream that never started), its reservation and
+    # its slot released
+    event = wait_until(lambda: next(iter(_metered(org)), None), timeout=120,
+                       what="the stream's event")
+    assert event.status == "client_aborted"
     wait_until(lambda: _sim_stats(sim)["running"] == 0, timeout=30, what="the engine slot")
+    assert _sim_stats(sim)["aborted"] == 1
     wait_until(lambda: _held(org) == 0, timeout=30, what="the in-flight slots")
     assert get_redis().zcard(admission.reservations_key(org.id)) == 0
+    # and the client got the refusal, never the stream
+    received = _read_all(sock)
+    assert received.startswith(b"HTTP/1.1 400") and b"text/event-stream" not in received
     sock.close()
 
 
