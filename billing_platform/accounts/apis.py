@@ -7,7 +7,7 @@ come from ``ROLE_PERMISSIONS``; domain errors are answered by ``api.errors``.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
@@ -16,10 +16,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from billing_platform.accounts import billing_profile, services
 from billing_platform.accounts import serializers as s
-from billing_platform.accounts import services
-from billing_platform.accounts.models import ApiKey, Membership, User
+from billing_platform.accounts.choices import Role
+from billing_platform.accounts.models import ApiKey, Membership, Organization, User
 from billing_platform.accounts.selectors import (
+    OrgAccess,
     api_keys_for_project,
     org_access,
     organizations_for_user,
@@ -59,6 +61,38 @@ class OrganizationDetailApi(OrgScopedView):
                                            **body.validated_data)
         ctx = {"roles": {org.pk: self.access.role}}
         return Response(s.OrganizationSerializer(org, context=ctx).data)
+
+
+class OrganizationBillingProfileApi(OrgScopedView):
+    """The billing profile: members who see billing read it; owners set who they are, the
+    platform's finance team (any organization) also currency and tax rate."""
+
+    permission_for = {"GET": "billing.read", "PATCH": "billing.read"}  # PATCH: the service
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        if billing_profile.may_set_billing_terms(request.user):
+            APIView.initial(self, request, *args, **kwargs)
+            org = get_object_or_404(Organization, public_id=kwargs["org_id"])
+            self.access = OrgAccess(org, Role.OWNER)
+            return
+        super().initial(request, *args, **kwargs)
+
+    def _answer(self, org: Organization) -> Response:
+        editable = billing_profile.billing_profile_editable(organization=org,
+                                                            acting_user=self.request.user)
+        return Response(s.BillingProfileSerializer(org, context={"editable": editable}).data)
+
+    @extend_schema(responses=s.BillingProfileSerializer)
+    def get(self, request: Request, org_id: str) -> Response:
+        return self._answer(self.org)
+
+    @extend_schema(request=s.BillingProfileUpdateSerializer, responses=s.BillingProfileSerializer)
+    def patch(self, request: Request, org_id: str) -> Response:
+        body = s.BillingProfileUpdateSerializer(data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        org = billing_profile.organization_billing_profile_update(
+            organization=self.org, acting_user=request.user, **body.validated_data)
+        return self._answer(org)
 
 
 class ProjectListApi(OrgScopedView):

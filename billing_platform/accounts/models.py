@@ -77,6 +77,21 @@ class Organization(models.Model):
     )
     status = models.CharField(max_length=16, choices=OrgStatus.choices, default=OrgStatus.ACTIVE)
     created_at = models.DateTimeField(default=timezone.now)
+    # The billing profile: who the invoices are addressed to (billing_email, currency and
+    # tax_rate above belong to it too). Owners set who they are; the platform's finance team
+    # also sets currency and tax rate (accounts.billing_profile).
+    legal_name = models.CharField(max_length=200, blank=True, default="",
+                                  help_text="The name invoices are addressed to; blank: name.")
+    address_line1 = models.CharField(max_length=200, blank=True, default="")
+    address_line2 = models.CharField(max_length=200, blank=True, default="")
+    postal_code = models.CharField(max_length=20, blank=True, default="")
+    city = models.CharField(max_length=100, blank=True, default="")
+    region = models.CharField(max_length=100, blank=True, default="",
+                              help_text="State, province or county, where addresses have one.")
+    country = models.CharField(max_length=2, blank=True, default="",
+                               help_text="ISO 3166-1 alpha-2 code, e.g. DE.")
+    tax_id = models.CharField(max_length=40, blank=True, default="",
+                              help_text="The buyer's VAT/GST/tax number, printed on invoices.")
     # What one organization may hold of resources every tenant shares; blank: the deployment's
     # default (TOLLGATE_ORG_MAX_*). Set by staff, not by the customer.
     max_concurrent_requests = models.PositiveIntegerField(

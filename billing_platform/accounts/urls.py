@@ -10,6 +10,8 @@ KEYS = f"{ORG}/projects/<str:project_id>/api_keys"
 urlpatterns = [
     path("organizations/", apis.OrganizationListApi.as_view(), name="org-list"),
     path(f"{ORG}/", apis.OrganizationDetailApi.as_view(), name="org-detail"),
+    path(f"{ORG}/billing-profile/", apis.OrganizationBillingProfileApi.as_view(),
+         name="org-billing-profile"),
     path(f"{ORG}/projects/", apis.ProjectListApi.as_view(), name="project-list"),
     path(f"{ORG}/projects/<str:project_id>/", apis.ProjectDetailApi.as_view(),
          name="project-detail"),

@@ -1,13 +1,16 @@
-"""Console settings page for quotas: rate limits (org usage tier, project and key overrides)
-and monthly budgets with their alerts. Thin: a form validates, one quotas service acts."""
+"""Console settings page: rate limits (org usage tier, project and key overrides), monthly
+budgets with their alerts, and the billing profile. Thin: a form validates, one service acts."""
 
 from __future__ import annotations
+
+from decimal import Decimal
 
 from django import forms
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
+from billing_platform.accounts import billing_profile
 from billing_platform.accounts.models import Project
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.audit.selectors import quota_audit_events
@@ -36,6 +39,23 @@ class BudgetForm(forms.Form):
     webhook_url = forms.URLField(required=False, label="Webhook URL", assume_scheme="https")
 
 
+class BillingProfileForm(forms.Form):
+    """Shapes only; billing_profile decides what a value must be and who may set it."""
+
+    legal_name = forms.CharField(required=False, max_length=200, label="Legal name")
+    address_line1 = forms.CharField(required=False, max_length=200, label="Address")
+    address_line2 = forms.CharField(required=False, max_length=200, label="Address, line 2")
+    postal_code = forms.CharField(required=False, max_length=20, label="Postal code")
+    city = forms.CharField(required=False, max_length=100)
+    region = forms.CharField(required=False, max_length=100, label="State / region")
+    country = forms.CharField(required=False, max_length=2, label="Country (ISO code)")
+    tax_id = forms.CharField(required=False, max_length=40, label="Tax id (VAT, GST)")
+    billing_email = forms.EmailField(max_length=254, label="Billing email")
+    currency = forms.CharField(required=False, max_length=3)
+    tax_rate = forms.DecimalField(required=False, min_value=0, max_value=Decimal("0.9999"),
+                                  max_digits=5, decimal_places=4, label="Tax rate (fraction)")
+
+
 def _split(value: str) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
@@ -44,6 +64,33 @@ def _scope(access: OrgAccess, scope: str) -> Project | None:
     if scope == "org":
         return None
     return get_object_or_404(Project, organization=access.organization, public_id=scope)
+
+
+@org_page()
+def billing_profile_save(request: HttpRequest, access: OrgAccess) -> HttpResponse:
+    """Save the fields of the billing profile the form posted (only those)."""
+    if request.method != "POST":
+        return redirect("console:settings")
+    form = BillingProfileForm(request.POST)
+    form.is_valid()
+    # the form shows only what the user may change; what it did not post stays as it is
+    posted = [name for name in billing_profile.PROFILE_FIELDS if name in request.POST]
+    errors = {name: " ".join(form.errors[name]) for name in posted if name in form.errors}
+    if errors or not posted:
+        messages.error(request, "Please correct: " + ("; ".join(
+            f"{name}: {text}" for name, text in errors.items()) or "nothing was sent"))
+        return redirect("console:settings")
+    fields = {name: form.cleaned_data[name] for name in posted}
+    if fields.get("tax_rate") is None:
+        fields.pop("tax_rate", None)
+    try:
+        billing_profile.organization_billing_profile_update(
+            organization=access.organization, acting_user=request.user, **fields)
+    except DomainError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, "Billing profile saved.")
+    return redirect("console:settings")
 
 
 @org_page()
@@ -91,4 +138,9 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
         "limits_form": LimitsForm(), "budget_form": BudgetForm(),
         "audit": quota_audit_events(organization=org)[:20],
         "can_write": access.can("org.write"),
+        "profile": org if access.can("billing.read") else None,
+        "profile_form": BillingProfileForm(initial={
+            name: getattr(org, name) for name in billing_profile.PROFILE_FIELDS}),
+        "profile_editable": billing_profile.billing_profile_editable(
+            organization=org, acting_user=request.user),
     })

@@ -34,6 +34,8 @@ urlpatterns = [
     path("invoices/<str:invoice_id>/csv/", views.invoice_document, {"fmt": "csv"},
          name="invoice-csv"),
     path("settings/", settings_views.quota_settings, name="settings"),
+    path("settings/billing-profile/", settings_views.billing_profile_save,
+         name="billing-profile"),
     path("usage/", usage_views.usage, name="usage"),
     path("audit/", audit_views.audit_log, name="audit"),
     path("batches/", batch_views.batches, name="batches"),
