@@ -4,8 +4,9 @@ with the type a warehouse loads it as.
 
 Which rows a day holds:
 
-- invoices (and credit notes) *touched* that day: finalized, paid, voided or marked
-  uncollectible within it, each as it stands when read (its current status and bookkeeping).
+- invoices (and credit notes) *touched* that day: finalized, paid, voided, marked
+  uncollectible, written off or refunded within it, each as it stands when read (its
+  current status and bookkeeping).
   A warehouse upserts them by ``public_id``; a later day's file carries the newer state of an
   invoice that was, say, finalized one day and paid the next.
 - the lines of the invoices *finalized* that day. A finalized invoice's lines never change
@@ -36,12 +37,18 @@ INVOICE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("corrects", "string"), ("finalized_at", "timestamp"), ("due_at", "timestamp"),
     ("paid_at", "timestamp"), ("voided_at", "timestamp"),
     ("marked_uncollectible_at", "timestamp"), ("payment_failures", "integer"),
+    ("credit_outcome", "string"), ("payment_reference", "string"),
+    ("amount_refunded", "decimal(24,4)"), ("refunded_at", "timestamp"),
+    ("amount_disputed", "decimal(24,4)"), ("amount_charged_back", "decimal(24,4)"),
+    ("dunning_paused_at", "timestamp"), ("written_off_at", "timestamp"),
 )
 _INVOICE_FIELDS = (
     "public_id", "number", "kind", "status", "organization__public_id", "currency",
     "period_start", "period_end", "tax_rate", "subtotal", "tax", "credits_applied", "total",
     "amount_due", "amount_paid", "corrects__public_id", "finalized_at", "due_at", "paid_at",
-    "voided_at", "marked_uncollectible_at", "payment_failures",
+    "voided_at", "marked_uncollectible_at", "payment_failures", "credit_outcome",
+    "payment_reference", "amount_refunded", "refunded_at", "amount_disputed",
+    "amount_charged_back", "dunning_paused_at", "written_off_at",
 )
 
 LINE_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -60,6 +67,9 @@ _LINE_FIELDS = (
     "invoice__currency", "details",
 )
 
+# the instants that put an invoice in a day's file
+TOUCHED_AT = ("finalized_at", "paid_at", "voided_at", "marked_uncollectible_at",
+              "written_off_at", "refunded_at")
 CHUNK = 2000  # rows fetched per round trip (a server-side cursor)
 
 
@@ -68,11 +78,12 @@ def _within(field: str, start: datetime, end: datetime) -> Q:
 
 
 def invoice_rows_touched(*, start: datetime, end: datetime) -> Iterator[tuple[object, ...]]:
-    """Yield, in id order, every non-draft invoice finalized, paid, voided or marked
-    uncollectible in [start, end), one tuple per ``INVOICE_COLUMNS``."""
-    touched = (_within("finalized_at", start, end) | _within("paid_at", start, end)
-               | _within("voided_at", start, end)
-               | _within("marked_uncollectible_at", start, end))
+    """Yield, in id order, every non-draft invoice finalized, paid, voided, marked
+    uncollectible, written off or refunded in [start, end), one tuple per
+    ``INVOICE_COLUMNS``."""
+    touched = Q()
+    for field in TOUCHED_AT:
+        touched |= _within(field, start, end)
     rows = (Invoice.objects.exclude(status=InvoiceStatus.DRAFT).filter(touched)
             .order_by("id").values_list(*_INVOICE_FIELDS))
     yield from rows.iterator(chunk_size=CHUNK)

@@ -117,7 +117,8 @@ def assert_day_matches_database(path, day: date) -> None:
     assert len(invoices) == files["invoices"]["rows"]
     touched = {i.public_id: i for i in Invoice.objects.exclude(status="draft") if any(
         t is not None and start <= t < end
-        for t in (i.finalized_at, i.paid_at, i.voided_at, i.marked_uncollectible_at))}
+        for t in (i.finalized_at, i.paid_at, i.voided_at, i.marked_uncollectible_at,
+                  i.written_off_at, i.refunded_at))}
     assert {r["public_id"] for r in invoices} == set(touched)
     for row in invoices:
         inv = touched[row["public_id"]]
@@ -125,7 +126,7 @@ def assert_day_matches_database(path, day: date) -> None:
             inv.number, inv.status, inv.currency)
         assert row["organization"] == inv.organization.public_id
         for name in ("subtotal", "tax", "credits_applied", "total", "amount_due",
-                     "amount_paid"):
+                     "amount_paid", "amount_refunded"):
             assert Decimal(row[name]) == getattr(inv, name), name
         assert datetime.fromisoformat(row["finalized_at"]) == inv.finalized_at
         assert (datetime.fromisoformat(row["paid_at"]) if row["paid_at"] else None
