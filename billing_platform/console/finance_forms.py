@@ -84,7 +84,7 @@ class CreditNoteForm(OperationForm):
     amount = _amount_field(required=False, help_text="leave empty to credit the lines ticked")
     lines = forms.TypedMultipleChoiceField(coerce=int, required=False,
                                            widget=forms.CheckboxSelectMultiple)
-    outcome = forms.ChoiceField(required=False, choices=[
+    outcome = forms.ChoiceField(required=False, widget=forms.RadioSelect, choices=[
         (CreditOutcome.REFUND.value, "Refund through Stripe"),
         (CreditOutcome.CREDIT_BALANCE.value, "Credit balance for later invoices")],
         help_text="for a paid invoice; an unpaid one's amount due is reduced")
@@ -110,6 +110,8 @@ class CreditNoteForm(OperationForm):
 class CloseForm(OperationForm):
     organization = forms.CharField(max_length=40, required=False,
                                    help_text="an organization's id; empty: every one due")
+    # which of the close page's two forms was sent (the preview's says "preview")
+    step = forms.CharField(widget=forms.HiddenInput, initial="run")
 
 
 class ClosePreviewForm(forms.Form):

@@ -128,7 +128,8 @@ def credits_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
 
 def customers_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
     """Top customers' revenue in the range, one series per currency (bars never mixed)."""
-    top: list[reports.TopCustomerRow] = rows
+    # the top customers are the rows, unless another table was asked for (then a part)
+    top: list[reports.TopCustomerRow] = parts.get("top", rows)
     labels = [f"{r.organization_name} ({r.currency})" for r in top]
     points = {(f"{r.organization_name} ({r.currency})", r.currency): r.revenue for r in top}
     return {"type": "hbar", "labels": labels,
@@ -138,7 +139,8 @@ def customers_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ReportPage:
     """One report page: the API view whose filters and build it shares, its chart, and the
-    report's other parts shown as tables under the main one (name, title, row type)."""
+    report's other parts shown as tables above the main one (name, title, row type), those
+    that ``build`` answers beside its rows."""
 
     title: str
     api: type[apis.FinanceReportView]
@@ -160,7 +162,8 @@ REPORTS: dict[str, ReportPage] = {
         (("totals", "Totals per currency", reports.CreditRow),)),
     "customers": ReportPage(
         "Customers", apis.CustomersReportApi, customers_chart, "Top customers by revenue",
-        (("months", "Customers, new and churned per month", reports.CustomerMonthRow),
+        (("top", "Top customers", reports.TopCustomerRow),
+         ("months", "Customers, new and churned per month", reports.CustomerMonthRow),
          ("movements", "New and churned customers", reports.CustomerMovementRow))),
 }
 
@@ -223,18 +226,20 @@ def report(request: HttpRequest, name: str) -> HttpResponse:
     q = dict(query.validated_data)
     organization = q.pop("organization", None)
     q["org_id"] = organization.id if organization is not None else None
-    rows, parts = page.api().build(dict(q))
+    api = page.api()
+    row_type = api.table_type(q)  # the rows ``build`` answers (customers: the table asked)
+    rows, parts = api.build(dict(q))
     if request.GET.get("format") == "csv":
         response = HttpResponse(content_type="text/csv")
         start = _shown(q.get("start")) or "all"
         response["Content-Disposition"] = f'attachment; filename="{name}-{start}.csv"'
-        csv_writer(response).writerows(reports.csv_rows(rows, page.api.row_type))
+        csv_writer(response).writerows(reports.csv_rows(rows, row_type))
         return response
     params = {k: str(v) for k, v in request.GET.items() if k != "format" and v != ""}
     context.update(
-        table=table_of(rows, page.api.row_type),
-        parts=[(key, title, table_of(parts[key], row_type))
-               for key, title, row_type in page.parts],
+        table=table_of(rows, row_type),
+        parts=[(key, title, table_of(parts[key], part_type))
+               for key, title, part_type in page.parts if key in parts],
         chart=page.chart(rows, parts), csv_url="?" + urlencode({**params, "format": "csv"}),
         shown={k: _shown(v) for k, v in q.items() if v is not None and k != "org_id"},
         organization=organization)

@@ -194,6 +194,19 @@ def test_each_report_page_has_a_chart_and_its_csv_equals_its_table(analyst, ledg
     assert rows[1:] == body
 
 
+@pytest.mark.parametrize("table", ["top", "months", "movements"])
+def test_customers_page_shows_and_exports_the_table_asked_for(analyst, ledger, table):
+    query = f"start=2026-10-01&end=2026-12-01&table={table}"
+    html = analyst.get(f"/finance/reports/customers/?{query}").content.decode()
+    shown = Tables(html).tables["report-table"]
+    exported = analyst.get(f"/finance/reports/customers/?{query}&format=csv")
+    assert list(csv.reader(io.StringIO(exported.content.decode()))) == shown
+    expected_header = {"top": "organization", "months": "month", "movements": "month"}
+    assert shown[0][0] == expected_header[table]
+    assert len(shown) > 1  # the two October invoices make customers, months and movements
+    assert "chart-data" in html
+
+
 def test_revenue_page_shows_each_currencys_billed_total(analyst, ledger):
     html = analyst.get("/finance/reports/revenue/?start=2026-10-01&end=2026-11-01"
                        ).content.decode()
