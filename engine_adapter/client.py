@@ -9,7 +9,7 @@
                 ...
         else:
             body = call.body
-    result = call.result                          # usage, timings, status, cost-to-serve
+    result = call.result                          # the engine's usage, timings, status
 
 What the client guarantees, whatever the caller asks for:
 
@@ -33,12 +33,10 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
-from decimal import Decimal
 from types import TracebackType
 from typing import Any, Self
 
 from engine_adapter import http11
-from engine_adapter.cost import attribute_cost
 from engine_adapter.metrics import parse_engine_load
 from engine_adapter.router import Router
 from engine_adapter.types import (
@@ -151,7 +149,6 @@ class EngineCall:
         self._engine: EngineInfo | None = None
         self._t0 = 0.0
         self._first_token_at: float | None = None
-        self._concurrency_at_start = 1
         self._finished = False
         self._closed = False
         self.tried: list[EngineInfo] = []
@@ -174,7 +171,6 @@ class EngineCall:
                 break  # every candidate failed; report the engine's failure below
             engine = decision.engine
             self.tried.append(engine)
-            self._concurrency_at_start = max(1, router.inflight(engine.engine_id))
             held = True  # the router counts this request on the engine until it is released
             try:
                 response = await self._send(engine)
@@ -351,12 +347,6 @@ class EngineCall:
             result.ttft_ms = (self._first_token_at - self._t0) * 1000
         meta = (self.body or {}).get("meta_info") or {}
         result.queue_ms = float(meta.get("queue_time", 0) or 0) * 1000
-        concurrency = (self._concurrency_at_start
-                       + max(1, self.client.router.inflight(self._engine.engine_id) + 1)) / 2
-        result.gpu_seconds, result.cost_to_serve = attribute_cost(
-            engine=self._engine, busy_seconds=Decimal(str(round(now - self._t0, 6))),
-            concurrency=Decimal(str(concurrency)),
-        )
 
 
 async def _error_detail(response: http11.Response) -> tuple[str, str | None]:

@@ -68,3 +68,9 @@ def sim_health_check_timeout_s() -> float:
     """Return how long the simulator's ``/health_generate`` waits for its probe before a 503
     (``SGLANG_HEALTH_CHECK_TIMEOUT``: the simulator reads the variable real SGLang reads)."""
     return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") or 20)
+
+
+def engine_sample_retention_s() -> float:
+    """Return how long engines' scraped counters are kept (``TOLLGATE_ENGINE_SAMPLE_RETENTION_S``):
+    reconciliation and cost-to-serve read the last few hours of them."""
+    return float(os.environ.get("TOLLGATE_ENGINE_SAMPLE_RETENTION_S", str(3 * 86400)))

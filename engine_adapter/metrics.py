@@ -1,15 +1,20 @@
 """Engines' metrics both ways: parse an engine's Prometheus /metrics into the load figures the
-router uses, and export each engine's health and load (as the health task last recorded them)
-on the platform's ``/metrics`` (``EngineCollector``, read at scrape time); plus how fresh each
-web process's view of the fleet is.
+router uses and the cumulative counters that reconciliation and cost-to-serve read, and export
+each engine's health and load (as the health task last recorded them) on the platform's
+``/metrics`` (``EngineCollector``, read at scrape time); plus how fresh each web process's view
+of the fleet is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine_adapter.types import COUNTER_FIELDS, EngineCounters
 
 # The web process's fleet view (``registry.Fleet``): alert on ``time() - this`` growing past
 # TOLLGATE_FLEET_REFRESH_S (PostgreSQL unreadable; the last good view is being served).
@@ -47,6 +52,64 @@ def parse_engine_load(text: str) -> dict[str, float]:
         load[key] = load.get(key, 0.0) + value
     return load
 
+
+# An engine's cumulative counters (``EngineCounters``): reconciled against the metered usage
+# and read for its measured prefill and decode throughput. Sums over label sets
+# (``is_streaming``, ``priority``, ``cache_source``, ...).
+COUNTER_NAMES = {
+    "sglang:num_requests_total": "requests",
+    "sglang:prompt_tokens_total": "prompt_tokens",
+    "sglang:cached_tokens_total": "cached_tokens",
+    "sglang:generation_tokens_total": "generation_tokens",
+    "sglang:uncached_prompt_tokens_histogram_sum": "uncached_prompt_tokens",
+    "sglang:request_time_per_output_token_seconds_sum": "tpot_seconds",
+    "sglang:request_time_per_output_token_seconds_count": "tpot_requests",
+}
+PREFILL_STAGE = ("sglang:per_stage_req_latency_seconds_sum", 'stage="prefill_forward"')
+# Without these an engine reports no usage of its own (an external one that exports other
+# metrics): it cannot be reconciled.
+REQUIRED_COUNTERS = ("sglang:num_requests", "sglang:prompt_tokens", "sglang:generation_tokens")
+_SECONDS = frozenset({"prefill_seconds", "tpot_seconds"})
+MICRO = Decimal("0.000001")
+
+
+def parse_engine_counters(text: str) -> EngineCounters | None:
+    """Return the engine's cumulative counters, or None when its /metrics does not declare them.
+
+    A declared counter without samples is 0: prometheus_client prints a labelled counter's
+    ``# TYPE`` line before its first increment (SGLang's before its first finished request).
+    """
+    declared: set[str] = set()
+    values: dict[str, Decimal] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 3:
+                declared.add(parts[2].removesuffix("_total"))
+            continue
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name = line.split(" ", 1)[0]
+        key = COUNTER_NAMES.get(name)
+        if key is None and name == PREFILL_STAGE[0] and PREFILL_STAGE[1] in rest:
+            key = "prefill_seconds"
+        if key is None:
+            continue
+        try:
+            value = Decimal(line.rsplit(" ", 1)[1])
+        except (IndexError, InvalidOperation):
+            continue
+        if value.is_finite():
+            values[key] = values.get(key, Decimal(0)) + value
+    if not all(name in declared for name in REQUIRED_COUNTERS):
+        return None
+    fields: dict[str, Any] = {}
+    for key in COUNTER_FIELDS:
+        value = values.get(key, Decimal(0))
+        fields[key] = value.quantize(MICRO) if key in _SECONDS else int(value)
+    return EngineCounters(**fields)
 
 _LABELS = ["engine", "pool", "model", "region"]
 

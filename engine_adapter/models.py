@@ -60,3 +60,40 @@ class EngineInstance(models.Model):
 
     def __str__(self) -> str:
         return self.engine_id
+
+
+_seconds = {"max_digits": 20, "decimal_places": 6, "default": Decimal("0")}
+
+
+class EngineCounterSample(models.Model):
+    """One scrape of an engine's own cumulative counters (``metrics.parse_engine_counters``).
+
+    Written by the health check each time it scrapes an engine that reports them. ``epoch``
+    numbers the engine's process lives: it goes up when the fleet manager relaunched the
+    engine (``started_at`` changed) or a counter went down (a restart nobody told us of), so
+    deltas are taken only between samples of one epoch. Seconds are the engine's own
+    measurements (prefill forward time, time per output token), not money.
+    """
+
+    engine_id = models.CharField(max_length=120, help_text="EngineInstance.engine_id.")
+    at = models.DateTimeField(help_text="When the scrape answered.")
+    epoch = models.PositiveIntegerField()
+    process_started_at = models.DateTimeField(null=True, blank=True)
+    requests = models.PositiveBigIntegerField()
+    prompt_tokens = models.PositiveBigIntegerField()
+    cached_tokens = models.PositiveBigIntegerField()
+    generation_tokens = models.PositiveBigIntegerField()
+    uncached_prompt_tokens = models.PositiveBigIntegerField(default=0)
+    prefill_seconds = models.DecimalField(**_seconds)
+    tpot_seconds = models.DecimalField(**_seconds)
+    tpot_requests = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        db_table = "engine_counter_sample"
+        indexes = [
+            models.Index(fields=["engine_id", "at"], name="engine_counter_sample_at"),
+            models.Index(fields=["at"], name="engine_counter_sample_prune"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.engine_id} @ {self.at:%Y-%m-%d %H:%M:%S} (epoch {self.epoch})"

@@ -1,12 +1,17 @@
-"""Reads of the fleet: the engines the router may use, and which regions form each data zone."""
+"""Reads of the fleet: the engines the router may use, which regions form each data zone, and
+for cost-to-serve and reconciliation (``metering.costs``, ``metering.reconciliation``) each
+engine's GPUs and their price and the engine's own counters as scraped."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
 
 from engine_adapter.choices import EngineStatus
-from engine_adapter.models import EngineInstance, Pool
-from engine_adapter.types import EngineInfo, EngineLoad
+from engine_adapter.models import EngineCounterSample, EngineInstance, Pool
+from engine_adapter.types import COUNTER_FIELDS, EngineCounters, EngineInfo, EngineLoad
 
 
 @dataclass(frozen=True)
@@ -52,3 +57,64 @@ def served_models() -> dict[str, set[str]]:
     for model, region in Pool.objects.filter(in_spec=True).values_list("model", "region"):
         models.setdefault(model, set()).add(region)
     return models
+
+
+@dataclass(frozen=True)
+class EngineCostBasis:
+    """What one engine's time costs: its pool's GPUs per replica and their hourly price (USD
+    per GPU-hour), and how it was launched (``external`` ones run elsewhere)."""
+
+    engine_id: str
+    pool: str
+    gpus: int
+    gpu_hourly_cost: Decimal
+    launch: str
+
+
+def engine_cost_basis() -> dict[str, EngineCostBasis]:
+    """Return every engine the fleet has known (stopped and out-of-spec ones too: their past
+    usage is still priced), by engine id."""
+    return {
+        inst.engine_id: EngineCostBasis(
+            engine_id=inst.engine_id, pool=inst.pool.name, gpus=inst.pool.gpus_per_replica,
+            gpu_hourly_cost=inst.pool.gpu_hourly_cost, launch=inst.pool.launch)
+        for inst in EngineInstance.objects.select_related("pool")
+    }
+
+
+@dataclass(frozen=True)
+class CounterSample:
+    """One scrape of an engine's counters: when, in which process life (epoch), the values."""
+
+    engine_id: str
+    at: datetime
+    epoch: int
+    counters: EngineCounters
+
+
+def sample_counters(sample: EngineCounterSample) -> EngineCounters:
+    """Return a stored sample's counters."""
+    return EngineCounters(**{name: getattr(sample, name) for name in COUNTER_FIELDS})
+
+
+_SAMPLE_COLUMNS = ("engine_id", "at", "epoch", *COUNTER_FIELDS)
+
+
+def engine_counter_samples(*, start: datetime, end: datetime,
+                           engine_ids: Iterable[str] | None = None
+                           ) -> dict[str, list[CounterSample]]:
+    """Return each engine's samples taken in ``(start, end]``, oldest first, each list led by
+    the engine's last sample at or before ``start`` (the base of the first delta) if any."""
+    since = EngineCounterSample.objects.filter(at__gt=start, at__lte=end)
+    before = (EngineCounterSample.objects.filter(at__lte=start)
+              .order_by("engine_id", "-at", "-id").distinct("engine_id"))
+    if engine_ids is not None:
+        ids = list(engine_ids)
+        since, before = since.filter(engine_id__in=ids), before.filter(engine_id__in=ids)
+    out: dict[str, list[CounterSample]] = {}
+    rows = [*before.values_list(*_SAMPLE_COLUMNS),
+            *since.order_by("at", "id").values_list(*_SAMPLE_COLUMNS)]
+    for engine_id, at, epoch, *values in rows:
+        counters = EngineCounters(**dict(zip(COUNTER_FIELDS, values, strict=True)))
+        out.setdefault(engine_id, []).append(CounterSample(engine_id, at, epoch, counters))
+    return out

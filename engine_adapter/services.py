@@ -1,9 +1,10 @@
-"""Fleet operations: load the spec, launch and stop engines, check health, restart crashed
-and hung engines."""
+"""Fleet operations: load the spec, launch and stop engines, check health (recording each
+engine's load and its own usage counters), restart crashed and hung engines."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -21,10 +23,12 @@ from django.utils import timezone
 from engine_adapter import conf
 from engine_adapter.choices import EngineStatus, Launch
 from engine_adapter.conf import REPO_ROOT
-from engine_adapter.metrics import parse_engine_load
-from engine_adapter.models import EngineInstance, Pool
+from engine_adapter.metrics import parse_engine_counters, parse_engine_load
+from engine_adapter.models import EngineCounterSample, EngineInstance, Pool
+from engine_adapter.selectors import sample_counters
 from engine_adapter.sim.config import sim_command
 from engine_adapter.spec import FleetSpec, PoolSpec, SpecError
+from engine_adapter.types import EngineCounters
 
 SGLANG_MODEL_MARKER = "@sglang-cpu-model"
 Progress = Callable[[str], None]
@@ -223,6 +227,8 @@ class _Probe:
     ok: bool
     error: str
     load: dict[str, float] | None
+    counters: EngineCounters | None = None
+    at: datetime | None = None  # when /metrics answered
 
 
 def _probe(url: str, timeout: float) -> _Probe:
@@ -240,14 +246,16 @@ def _probe(url: str, timeout: float) -> _Probe:
     else:
         ok = health.status_code == 200
         error = "" if ok else f"/health_generate answered {health.status_code}"
-    load = None
+    load = counters = at = None
     try:
         metrics = httpx.get(f"{url}/metrics", timeout=timeout)
         if metrics.status_code == 200:
+            at = timezone.now()
             load = parse_engine_load(metrics.text)
+            counters = parse_engine_counters(metrics.text)
     except httpx.HTTPError:
         pass  # the probe's outcome is what counts
-    return _Probe(ok, error, load)
+    return _Probe(ok, error, load, counters, at)
 
 
 def _engine_replace(inst: EngineInstance, *, why: str) -> EngineInstance:
@@ -300,6 +308,8 @@ def _health_record(inst: EngineInstance, probe: _Probe, *, restart: bool) -> str
     now = timezone.now()
     if probe.load is not None:
         inst.load = probe.load
+    if probe.counters is not None and probe.at is not None:
+        engine_counters_record(instance=inst, counters=probe.counters, at=probe.at)
     fields = ["status", "failures", "last_seen_at", "last_error", "load"]
     if probe.ok:
         if inst.status == EngineStatus.UNHEALTHY:
@@ -330,6 +340,34 @@ def _health_record(inst: EngineInstance, probe: _Probe, *, restart: bool) -> str
     inst.status = EngineStatus.UNHEALTHY
     inst.save(update_fields=fields)
     return inst.status
+
+
+@transaction.atomic
+def engine_counters_record(*, instance: EngineInstance, counters: EngineCounters,
+                           at: datetime) -> EngineCounterSample:
+    """Store one scrape of an engine's counters, in the epoch of its current process.
+
+    A new epoch starts when the fleet manager relaunched the engine since the last sample, or
+    when a counter went down (an engine restarted by someone else: external ones). The engine
+    row is locked so two health checks running at once number epochs once.
+    """
+    EngineInstance.objects.select_for_update().filter(pk=instance.pk).first()
+    last = (EngineCounterSample.objects.filter(engine_id=instance.engine_id)
+            .order_by("-at", "-id").first())
+    epoch = 1
+    if last is not None:
+        relaunched = (last.process_started_at is not None
+                      and last.process_started_at != instance.started_at)
+        epoch = last.epoch + (relaunched or counters.decreased_from(sample_counters(last)))
+    return EngineCounterSample.objects.create(
+        engine_id=instance.engine_id, at=at, epoch=epoch,
+        process_started_at=instance.started_at, **dataclasses.asdict(counters))
+
+
+def engine_counter_samples_prune(*, before: datetime) -> int:
+    """Delete counter samples taken before ``before``; return how many."""
+    deleted, _ = EngineCounterSample.objects.filter(at__lt=before).delete()
+    return deleted
 
 
 def fleet_restart(*, pool_name: str, progress: Progress = print) -> list[EngineInstance]:

@@ -64,9 +64,44 @@ class EngineLoad:
         return self.queued >= queue_factor * max(self.max_running or self.running, 1)
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """An engine's own cumulative counters, as one scrape of its ``/metrics`` reported them.
+
+    SGLang counts a request when it finishes (``observe_one_finished_request``): its prompt,
+    cached and generated tokens all at once, so these move only when requests end. The last
+    four feed its measured throughput: uncached prompt tokens per second of prefill forward
+    (``per_stage_req_latency_seconds{stage="prefill_forward"}``) and decode tokens per second
+    from the mean time per output token. Seconds are decimal strings' values, never money.
+    """
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    uncached_prompt_tokens: int = 0
+    prefill_seconds: Decimal = Decimal("0")
+    tpot_seconds: Decimal = Decimal("0")  # sum over requests of their time per output token
+    tpot_requests: int = 0
+
+    def decreased_from(self, earlier: EngineCounters) -> bool:
+        """Return whether any counter went down since ``earlier``: the engine restarted."""
+        return any(getattr(self, name) < getattr(earlier, name) for name in COUNTER_FIELDS)
+
+
+COUNTER_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens",
+                  "uncached_prompt_tokens", "prefill_seconds", "tpot_seconds", "tpot_requests")
+
+
 @dataclass
 class CallResult:
-    """What one engine call produced: the engine's usage counts, timings and cost-to-serve."""
+    """What one engine call produced: the engine's usage counts and timings.
+
+    Its cost-to-serve is not known when the call ends: it is the call's share of the engine's
+    GPU time over the intervals it ran in, attributed afterwards from the engine's own counters
+    (``engine_adapter.cost``, ``metering.costs``). ``cost_to_serve`` stays 0 here; the usage
+    event carries it only for engines whose operators report a cost per request (the usage API).
+    """
 
     engine: EngineInfo
     prompt_tokens: int = 0
@@ -78,7 +113,6 @@ class CallResult:
     queue_ms: float = 0.0
     ttft_ms: float | None = None
     total_ms: float = 0.0
-    gpu_seconds: Decimal = Decimal("0")
     cost_to_serve: Decimal = Decimal("0")
     attempts: int = 1
     response_id: str | None = None

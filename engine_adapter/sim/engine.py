@@ -12,7 +12,6 @@ behaves alike.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import heapq
 import itertools
 import os
@@ -24,59 +23,11 @@ from typing import Any
 
 from engine_adapter.sim.config import Faults, SimConfig
 from engine_adapter.sim.radix import Node, RadixCache
+from engine_adapter.sim.stats import Stats
 from engine_adapter.sim.tokenizer import EOS_TOKEN_ID, completion_stream
 
-LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0,
-)  # fmt: skip
 START_ORDER_KEEP = 1000
 CRASH_EXIT_CODE = 17
-
-
-@dataclass
-class Histogram:
-    """A Prometheus histogram kept by hand, so the simulator needs no metrics library.
-
-    ``counts[i]`` holds the observations in bucket ``i`` alone (one increment per
-    observation: ITL is observed per token); ``cumulative()`` gives Prometheus' ``le`` counts.
-    """
-
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
-    total: float = 0.0
-    count: int = 0
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        self.total += value
-        self.count += 1
-        i = bisect.bisect_left(self.buckets, value)  # the first bound >= value
-        if i < len(self.counts):
-            self.counts[i] += 1
-
-    def cumulative(self) -> list[int]:
-        """Return the count of observations <= each bound."""
-        return list(itertools.accumulate(self.counts))
-
-
-@dataclass
-class Stats:
-    """Counters the tests and ``/metrics`` read."""
-
-    requests: int = 0
-    completed: int = 0
-    aborted: int = 0
-    errors_injected: int = 0
-    cache_hit_requests: int = 0
-    cached_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    start_order: list[dict[str, Any]] = field(default_factory=list)
-    ttft: Histogram = field(default_factory=Histogram)
-    e2e: Histogram = field(default_factory=Histogram)
-    itl: Histogram = field(default_factory=Histogram)
-    queue: Histogram = field(default_factory=Histogram)
 
 
 @dataclass(eq=False)
@@ -375,6 +326,8 @@ class Engine:
             return
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.stats.cached_tokens += req.cached_tokens
+        self.stats.finished.prefill_forward.observe(
+            req._uncached / self.config.prefill_tokens_per_s)
         if req.cached_tokens:
             self.stats.cache_hit_requests += 1
 
@@ -468,6 +421,8 @@ class Engine:
         elif req.log_metrics:
             self.stats.completed += 1
             self.stats.e2e.observe(req.e2e_latency)
+        if req.log_metrics:
+            self.stats.finished.observe(req)
         rids = self._by_rid.get(req.rid)
         if rids is not None:
             rids.discard(req)

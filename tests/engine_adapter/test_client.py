@@ -58,9 +58,6 @@ def test_non_streaming_and_streaming_usage_come_from_the_engine(sim_factory):
     # usage was requested even though the caller did not ask: the last chunk carries it
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
     assert streamed.result.completion_tokens == 8 and streamed.result.status == "ok"
-    # cost-to-serve is attributed from the pool's GPU price: positive, Decimal, tiny
-    assert isinstance(call.result.cost_to_serve, Decimal)
-    assert Decimal(0) < call.result.cost_to_serve < Decimal("0.01")
 
 
 def test_cache_salt_is_per_tenant_so_prefix_hits_never_cross(sim_factory):

@@ -55,7 +55,6 @@ def test_chat_non_streaming_usage_equals_the_stored_event(live_gateway):
         completion.usage.prompt_tokens, completion.usage.completion_tokens, 0)
     assert event.status == "ok" and event.api_key_id == key.pk
     assert event.region in ("us-east", "eu-west") and event.engine
-    assert event.cost_to_serve > 0
     assert UsageEvent.objects.filter(request_id=request_id).count() == 1
 
 
