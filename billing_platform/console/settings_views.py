@@ -75,7 +75,8 @@ def billing_profile_save(request: HttpRequest, access: OrgAccess) -> HttpRespons
     form.is_valid()
     # the form shows only what the user may change; what it did not post stays as it is
     posted = [name for name in billing_profile.PROFILE_FIELDS if name in request.POST]
-    errors = {name: " ".join(form.errors[name]) for name in posted if name in form.errors}
+    errors = {name: " ".join(str(e) for e in form.errors[name])
+              for name in posted if name in form.errors}
     if errors or not posted:
         messages.error(request, "Please correct: " + ("; ".join(
             f"{name}: {text}" for name, text in errors.items()) or "nothing was sent"))
