@@ -21,7 +21,7 @@ from typing import Any, ClassVar, cast
 
 from django.http import Http404
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -34,7 +34,7 @@ from billing_platform.invoicing import services
 from billing_platform.invoicing.apis import InvoiceSerializer, LineSerializer
 from billing_platform.invoicing.choices import CreditOutcome, InvoiceKind, InvoiceStatus
 from billing_platform.invoicing.finance_reads import invoice_find
-from billing_platform.invoicing.models import Invoice, PendingInvoiceItem
+from billing_platform.invoicing.models import Invoice, PendingInvoiceItem, Refund
 from plans import services as plan_services
 from plans.choices import CreditGrantKind
 from plans.models import CreditGrant
@@ -130,6 +130,18 @@ class CreditNoteOutSerializer(FinanceInvoiceSerializer):
         return "credit_note"
 
 
+class RefundOutSerializer(serializers.ModelSerializer[Refund]):
+    class Meta:
+        model = Refund
+        fields = ["status", "amount", "currency", "idempotency_key", "stripe_refund_id"]
+
+
+class CreditNoteResultSerializer(serializers.Serializer[Any]):
+    credit_note = CreditNoteOutSerializer()
+    invoice = FinanceInvoiceSerializer(source="credit_note.corrects")
+    refund = RefundOutSerializer(source="credit_note.refund", allow_null=True, default=None)
+
+
 class GrantOutSerializer(serializers.ModelSerializer[CreditGrant]):
     id = serializers.CharField(source="public_id")
     organization = serializers.CharField(source="organization.public_id")
@@ -216,61 +228,71 @@ class PeriodCloseApi(OperationView):
 
 
 class InvoiceOperationApi(OperationView):
-    """``POST finance/invoices/<id>/<operation>/``: one service on one invoice."""
+    """``POST finance/invoices/<id>/<operation>/``: one service (``act``) on one invoice."""
 
-    operation: ClassVar[str]
     answer_status: ClassVar[int] = status.HTTP_200_OK
 
-    def act(self, invoice: Invoice, data: dict[str, Any], request: Request) -> Invoice:
-        reason, user = data["reason"], request.user
-        if self.operation == "void":
-            return services.invoice_void(invoice=invoice, reason=reason, acting_user=user)
-        if self.operation == "mark_paid":
-            return services.invoice_mark_paid(invoice=invoice, reference=data["reference"],
-                                              reason=reason, acting_user=user)
-        if self.operation == "retry_charge":
-            return services.invoice_charge_retry(invoice=invoice, reason=reason,
-                                                 acting_user=user)
-        if self.operation == "dunning_pause":
-            return services.invoice_dunning_pause(invoice=invoice, reason=reason,
-                                                  acting_user=user)
-        if self.operation == "dunning_resume":
-            return services.invoice_dunning_resume(invoice=invoice, reason=reason,
-                                                   acting_user=user)
-        return services.invoice_write_off(invoice=invoice, reason=reason, acting_user=user)
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        raise NotImplementedError
 
-    @extend_schema(request=ReasonSerializer, responses=FinanceInvoiceSerializer)
     @idempotent
     def post(self, request: Request, invoice_id: str) -> Response:
         invoice = self.invoice(invoice_id)
         data = self.body(request)
-        invoice = self.act(invoice, data, request)
+        invoice = self.act(invoice, data, request.user)
         invoice.refresh_from_db()
         return Response(FinanceInvoiceSerializer(invoice).data, status=self.answer_status)
 
 
+_invoice_answer = extend_schema(request=ReasonSerializer,
+                                responses={200: FinanceInvoiceSerializer})
+
+
+@extend_schema_view(post=_invoice_answer)
 class InvoiceVoidApi(InvoiceOperationApi):
-    operation = "void"
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_void(invoice=invoice, reason=data["reason"], acting_user=user)
 
 
+@extend_schema_view(post=extend_schema(request=MarkPaidSerializer,
+                                       responses={200: FinanceInvoiceSerializer}))
 class InvoiceMarkPaidApi(InvoiceOperationApi):
-    operation, body_class = "mark_paid", MarkPaidSerializer
+    body_class = MarkPaidSerializer
+
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_mark_paid(invoice=invoice, reference=data["reference"],
+                                          reason=data["reason"], acting_user=user)
 
 
+@extend_schema_view(post=extend_schema(request=ReasonSerializer,
+                                       responses={202: FinanceInvoiceSerializer}))
 class InvoiceRetryChargeApi(InvoiceOperationApi):
-    operation, answer_status = "retry_charge", status.HTTP_202_ACCEPTED  # charged after commit
+    answer_status = status.HTTP_202_ACCEPTED  # the charge goes out after commit (a task)
+
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_charge_retry(invoice=invoice, reason=data["reason"],
+                                             acting_user=user)
 
 
+@extend_schema_view(post=_invoice_answer)
 class InvoiceDunningPauseApi(InvoiceOperationApi):
-    operation = "dunning_pause"
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_dunning_pause(invoice=invoice, reason=data["reason"],
+                                              acting_user=user)
 
 
+@extend_schema_view(post=_invoice_answer)
 class InvoiceDunningResumeApi(InvoiceOperationApi):
-    operation = "dunning_resume"
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_dunning_resume(invoice=invoice, reason=data["reason"],
+                                               acting_user=user)
 
 
+@extend_schema_view(post=_invoice_answer)
 class InvoiceWriteOffApi(InvoiceOperationApi):
-    operation = "write_off"
+    def act(self, invoice: Invoice, data: dict[str, Any], user: Any) -> Invoice:
+        return services.invoice_write_off(invoice=invoice, reason=data["reason"],
+                                          acting_user=user)
 
 
 class CreditNoteCreateApi(OperationView):
@@ -279,7 +301,7 @@ class CreditNoteCreateApi(OperationView):
 
     body_class = CreditNoteSerializer
 
-    @extend_schema(request=CreditNoteSerializer, responses={201: CreditNoteOutSerializer})
+    @extend_schema(request=CreditNoteSerializer, responses={201: CreditNoteResultSerializer})
     @idempotent
     def post(self, request: Request, invoice_id: str) -> Response:
         invoice = self.invoice(invoice_id)
@@ -292,15 +314,10 @@ class CreditNoteCreateApi(OperationView):
         note = services.credit_note_create(
             invoice=invoice, amount=data.get("amount"), lines=lines,
             outcome=data.get("outcome"), reason=data["reason"], acting_user=request.user)
-        invoice.refresh_from_db()
-        refund = getattr(note, "refund", None)
-        return Response({
-            "credit_note": CreditNoteOutSerializer(note).data,
-            "invoice": FinanceInvoiceSerializer(invoice).data,
-            "refund": None if refund is None else {
-                "status": refund.status, "amount": str(refund.amount),
-                "currency": refund.currency, "idempotency_key": refund.idempotency_key},
-        }, status=status.HTTP_201_CREATED)
+        note = Invoice.objects.select_related("corrects__organization", "organization").get(
+            pk=note.pk)  # the corrected invoice as the note left it
+        return Response(CreditNoteResultSerializer({"credit_note": note}).data,
+                        status=status.HTTP_201_CREATED)
 
 
 class CreditGrantCreateApi(OperationView):

@@ -27,6 +27,7 @@ from tests.finance.operations_setup import (
     set_default_card,
 )
 from tests.invoicing.conftest import billing_invariant_holds  # noqa: F401 - autouse check
+from tests.invoicing.test_invoice_payments import WEBHOOK_URL, _event, _signed
 
 D = Decimal
 
@@ -245,6 +246,33 @@ def test_refund_send_refunds_once_through_stripe(invoice, controller_client,
         "succeeded", "75.00", "system")
 
 
+def test_a_refund_stripe_refuses_is_left_failed_for_finance(invoice, controller_client,
+                                                            django_capture_on_commit_callbacks):
+    # given a paid invoice of which 100.00 was refunded in Stripe's dashboard (no webhook yet)
+    pay_through_stripe(invoice)
+    intent = PaymentAttempt.objects.get(invoice=invoice).stripe_payment_intent_id
+    stripe_client.client().v1.refunds.create({"payment_intent": intent, "amount": 10000})
+    with django_capture_on_commit_callbacks():
+        note = post(controller_client, f"invoices/{invoice.public_id}/credit-notes/",
+                    {"reason": "overcharged", "amount": "150.00", "outcome": "refund"})
+    assert note.status_code == 201, note.content  # our books knew of no refund yet
+    (refund,) = Refund.objects.all()
+    rows = NewRows()
+
+    # when the task sends it, Stripe refuses (only 100.00 is left of the charge)
+    assert services.refund_send(refund_id=refund.id) == "failed"
+
+    # then it is failed with Stripe's reason, audited, sent no more, and nothing else moved
+    refund.refresh_from_db()
+    assert refund.status == RefundStatus.FAILED and refund.failure_message
+    assert refund.stripe_refund_id == ""
+    (row,) = rows("credit_note.refund")
+    assert (row.after["status"], row.after["failure"]) == ("failed", refund.failure_message)
+    assert services.refund_send(refund_id=refund.id) == "failed"
+    found = stripe_client.client().v1.refunds.list({"payment_intent": intent}).data
+    assert [r.amount for r in found] == [10000]
+
+
 def test_mark_paid_offline_keeps_the_reference(controller_client, invoice, finance_controller):
     url = f"invoices/{invoice.public_id}/mark-paid/"
     assert post(controller_client, url, {"reason": "wire"}).status_code == 400  # no reference
@@ -268,9 +296,9 @@ def test_mark_paid_offline_keeps_the_reference(controller_client, invoice, finan
     assert invoice.payment_reference == "BANK-42"
 
 
-def test_pause_and_resume_dunning(controller_client, invoice, finance_controller):
+def test_pause_and_resume_dunning(controller_client, invoice, finance_controller, client):
     # given a declined charge: dunning retries in a day
-    set_default_card(invoice.organization, "pm_card_chargeCustomerFail")
+    customer_id = set_default_card(invoice.organization, "pm_card_chargeCustomerFail")
     assert services.invoice_charge(invoice_id=invoice.id) == "failed"
     invoice.refresh_from_db()
     retry_at = invoice.next_payment_attempt_at
@@ -280,6 +308,14 @@ def test_pause_and_resume_dunning(controller_client, invoice, finance_controller
                   {"reason": "customer disputes the invoice"})
     assert paused.status_code == 200 and paused.json()["dunning_paused_at"]
     assert services.invoices_dunning_run(now=retry_at + timedelta(days=30)) == []
+    # a card added meanwhile (Stripe's customer.updated) does not retry a held invoice either
+    customer = stripe_client.client().v1.customers.retrieve(customer_id).to_dict()
+    body = _event("evt_customer_paused", "customer.updated", customer)
+    answer = client.post(WEBHOOK_URL, body, content_type="application/json",
+                         HTTP_STRIPE_SIGNATURE=_signed(body))
+    assert (answer.status_code, answer.content) == (200, b"retrying 0 open invoice(s)")
+    invoice.refresh_from_db()
+    assert invoice.next_payment_attempt_at == retry_at
     again = post(controller_client, f"invoices/{invoice.public_id}/dunning/pause/",
                  {"reason": "x"})
     assert again.status_code == 409

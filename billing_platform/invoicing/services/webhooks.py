@@ -175,7 +175,8 @@ def _apply_payment_intent(intent: dict[str, Any], *, now: datetime) -> str:
 
 def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
     """A customer with a default payment method (a new card after a decline, or a first one):
-    retry the org's open invoices now instead of at the next dunning date, as Stripe does."""
+    retry the org's open invoices now instead of at the next dunning date, as Stripe does
+    (not those whose dunning finance paused: finance resumes or retries them)."""
     if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
         return "no change: no default payment method"
     customer_id = customer.get("id")
@@ -185,7 +186,7 @@ def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
         return "ignored: not one of our customers"
     due = list(Invoice.objects.select_for_update()
                .filter(organization_id=account.organization_id, status=InvoiceStatus.OPEN,
-                       amount_due__gt=0)
+                       amount_due__gt=0, dunning_paused_at__isnull=True)  # held by finance
                .filter(Q(next_payment_attempt_at__isnull=True)
                        | Q(next_payment_attempt_at__gt=now)))
     for invoice in due:
