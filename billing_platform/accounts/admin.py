@@ -117,18 +117,17 @@ class OrganizationAdmin(KeyCacheAwareAdmin):
             super().save_formset(request, form, formset, change)
             return
         old_roles = dict(Membership.objects.filter(organization=form.instance)
-                         .values_list("pk", "role"))
+                         .values_list("user_id", "role"))
         super().save_formset(request, form, formset, change)
-        # what the services would do: removed members' keys and keys beyond a new role go
-        for membership in formset.deleted_objects:
-            services.member_keys_reconcile(user=membership.user,
-                                           organization=form.instance, role=None,
-                                           acting_user=request.user)
-        for membership, _fields in formset.changed_objects:
-            if old_roles.get(membership.pk) != membership.role:
-                services.member_keys_reconcile(user=membership.user,
-                                               organization=form.instance,
-                                               role=membership.role, acting_user=request.user)
+        # what the services do: an audit row per member added, re-roled or removed, and the
+        # keys that a removed member or a new role could not make revoked (rows are matched
+        # by user: a deleted row has lost its pk by now)
+        changes = ([(m, None, m.role) for m in formset.new_objects]
+                   + [(m, old_roles.get(m.user_id), m.role) for m, _ in formset.changed_objects]
+                   + [(m, old_roles.get(m.user_id), None) for m in formset.deleted_objects])
+        for membership, before, role in changes:
+            services.member_saved(user=membership.user, organization=form.instance,
+                                  before=before, role=role, acting_user=request.user)
 
     def delete_model(self, request: HttpRequest, obj: Organization) -> None:
         with transaction.atomic():

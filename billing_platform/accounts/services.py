@@ -114,10 +114,7 @@ def user_sign_up(*, email: str, password: str, org_name: str) -> tuple[User, Org
 
 
 ORG_FIELDS = ("name", "billing_email", "data_zone", "tax_rate", "currency", "status",
-              "max_concurrent_requests", "max_stored_files", "max_stored_bytes",
-              # the rest of the billing profile (customers set it through billing_profile)
-              "legal_name", "address_line1", "address_line2", "postal_code", "city", "region",
-              "country", "tax_id")
+              "max_concurrent_requests", "max_stored_files", "max_stored_bytes")
 
 
 def organization_state(organization: Organization) -> dict[str, Any]:
@@ -382,6 +379,26 @@ def member_keys_reconcile(*, user: User, organization: Organization, role: str |
     return api_keys_revoke(keys=keys, acting_user=acting_user, reason=why)
 
 
+def member_saved(*, user: User, organization: Organization, before: str | None,
+                 role: str | None, acting_user: Any) -> None:
+    """Record a membership added (``before`` None), re-roled or removed (``role`` None) and
+    apply it: the audit row, and the member's keys that the new role could not make revoked.
+
+    ``member_set_role`` and ``member_remove`` call it; so does the Django admin, which saves
+    memberships itself. Call it inside the change's transaction.
+    """
+    if before == role:
+        return
+    action = ("member.add" if before is None else "member.remove" if role is None
+              else "member.role_set")
+    audit_record(acting_user=acting_user, organization=organization, action=action,
+                 target=user.email, before=None if before is None else {"role": before},
+                 after=None if role is None else {"role": role})
+    if before is not None:
+        member_keys_reconcile(user=user, organization=organization, role=role,
+                              acting_user=acting_user)
+
+
 @transaction.atomic
 def member_set_role(*, membership: Membership, role: str, acting_user: Any) -> Membership:
     """Change a member's role; an organization always keeps at least one owner.
@@ -399,12 +416,8 @@ def member_set_role(*, membership: Membership, role: str, acting_user: Any) -> M
     before = membership.role
     membership.role = role
     membership.save(update_fields=["role"])
-    if before != role:
-        audit_record(acting_user=acting_user, organization=membership.organization,
-                     action="member.role_set", target=membership.user.email,
-                     before={"role": before}, after={"role": role})
-        member_keys_reconcile(user=membership.user, organization=membership.organization,
-                              role=role, acting_user=acting_user)
+    member_saved(user=membership.user, organization=membership.organization, before=before,
+                 role=role, acting_user=acting_user)
     return membership
 
 
@@ -419,9 +432,6 @@ def member_remove(*, membership: Membership, acting_user: Any) -> None:
     Organization.objects.select_for_update().get(pk=membership.organization_id)
     if membership.role == Role.OWNER and not _owners_left(membership.organization, membership):
         raise Conflict("An organization needs at least one owner.")
-    audit_record(acting_user=acting_user, organization=membership.organization,
-                 action="member.remove", target=membership.user.email,
-                 before={"role": membership.role})
-    member_keys_reconcile(user=membership.user, organization=membership.organization,
-                          role=None, acting_user=acting_user)
+    member_saved(user=membership.user, organization=membership.organization,
+                 before=membership.role, role=None, acting_user=acting_user)
     membership.delete()

@@ -263,6 +263,57 @@ def test_django_admin_revoke_suspend_scope_change_and_member_removal_take_effect
     assert {"api_key.revoke", "api_key.update", "organization.update"} <= actions
 
 
+def _membership_rows(client, org) -> dict[int, str]:
+    """The Django admin's inline rows of an org's memberships: user id -> form row number."""
+    page = _FormFields()
+    page.feed(client.get(f"/admin/accounts/organization/{org.pk}/change/").content.decode())
+    return {int(v): int(k.split("-")[1]) for k, v in page.fields.items()
+            if k.startswith("memberships-") and k.endswith("-user") and v}
+
+
+def test_member_changes_in_django_admin_are_in_the_orgs_audit_log(api_client, client):
+    # given an org with an owner, a developer holding a key, and an admin
+    org, owner, developer, project = _team()
+    admin = MembershipFactory(organization=org, role=Role.ADMIN)
+    key, _secret = make_key(project=project)
+    ApiKey.objects.filter(pk=key.pk).update(created_by=developer.user)
+    newcomer = UserFactory()
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    client.force_login(staff)
+    url = f"/admin/accounts/organization/{org.pk}/change/"
+
+    # when staff, in the Django admin, demote the admin, remove the developer and add someone
+    rows = _membership_rows(client, org)
+    new, now = len(rows), datetime.now(UTC)
+    _admin_save(client, url, **{
+        f"memberships-{rows[admin.user_id]}-role": Role.VIEWER,
+        f"memberships-{rows[developer.user_id]}-DELETE": "on",
+        "memberships-TOTAL_FORMS": str(new + 1), f"memberships-{new}-user": str(newcomer.pk),
+        f"memberships-{new}-role": Role.FINANCE,
+        f"memberships-{new}-created_at_0": now.strftime("%Y-%m-%d"),
+        f"memberships-{new}-created_at_1": now.strftime("%H:%M:%S")})
+
+    # then the memberships changed, and each change is an audit row under the staff member's
+    # name, as the same change through the API would be; the removed member's key is revoked
+    assert dict(Membership.objects.filter(organization=org).values_list("user_id", "role")) == {
+        owner.user_id: Role.OWNER, admin.user_id: Role.VIEWER, newcomer.pk: Role.FINANCE}
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
+    rows = {(e.action, e.target): (e.before, e.after) for e in AuditEvent.objects.filter(
+        organization=org, actor_user=staff, action__startswith="member.")}
+    assert rows == {
+        ("member.role_set", admin.user.email): ({"role": "admin"}, {"role": "viewer"}),
+        ("member.remove", developer.user.email): ({"role": "developer"}, None),
+        ("member.add", newcomer.email): (None, {"role": "finance"}),
+    }
+    # and the org's owner reads them in its audit log
+    api_client.force_login(owner.user)
+    log = api_client.get(f"/api/v1/organizations/{org.public_id}/audit_log/",
+                         {"action": "member."}).json()
+    assert {(e["action"], e["actor"]["label"]) for e in log["data"]} == {
+        ("member.role_set", staff.email), ("member.remove", staff.email),
+        ("member.add", staff.email)}
+
+
 def test_deactivating_or_deleting_a_user_in_django_admin_revokes_their_keys(api_client, client):
     # given two members' admin keys, cached by a first use on the management API
     org, owner, _developer, project = _team()
