@@ -449,3 +449,48 @@ def test_close_preview_writes_nothing_and_the_close_runs_once(controller, ledger
     assert bad.status_code == 400 and "This field is required." in bad.content.decode()
     assert controller.post("/finance/close/", {"step": "boom"}).status_code == 400
     assert Invoice.objects.count() == invoices + 1
+
+
+def test_credit_note_by_lines_and_on_a_paid_invoice_as_credit_balance(controller, ledger):
+    eur = ledger["eur_invoice"]
+    line = eur.lines.get(position=1)
+    assert _post_op(controller, eur, "credit-note", reason="wrong model billed",
+                    lines=["1"]).status_code == 302
+    eur.refresh_from_db()
+    assert eur.amount_due == eur.total - line.amount
+
+    # a paid invoice (by bank transfer): finance chooses; a refund needs a Stripe payment
+    usd = ledger["usd_invoice"]
+    services.invoice_mark_paid(invoice=usd, reference="T9", acting_user=None)
+    page = controller.get(f"/finance/invoices/{usd.public_id}/").content.decode()
+    assert 'name="outcome" value="refund"' in page
+    refused = _post_op(controller, usd, "credit-note", reason="x", amount="1.00",
+                       outcome="refund")
+    assert refused.status_code == 400
+    assert "was not paid through Stripe" in refused.content.decode()
+    missing = _post_op(controller, usd, "credit-note", reason="x", amount="1.00")
+    assert missing.status_code == 400 and "This field is required." in missing.content.decode()
+    assert _post_op(controller, usd, "credit-note", reason="goodwill", amount="1.00",
+                    outcome="credit_balance").status_code == 302
+    (grant,) = CreditGrant.objects.filter(organization=usd.organization)
+    assert (grant.kind, grant.amount) == ("credit_note", Decimal("1.00"))
+
+
+def test_retry_charges_now_only_with_a_card_on_file(controller, ledger, stripe_settings):
+    invoice = ledger["usd_invoice"]
+    # no payment method: the form says what to do, nothing is scheduled
+    refused = _post_op(controller, invoice, "retry", reason="customer asked")
+    assert refused.status_code == 400 and "has no payment method on file" in (
+        refused.content.decode())
+    invoice.refresh_from_db()
+    assert invoice.next_payment_attempt_at is None
+
+    # with a card: the charge is scheduled now, audited with the reason
+    from tests.invoicing.test_invoice_payments import _set_default_card
+
+    _set_default_card(invoice.organization, "pm_card_visa")
+    assert _post_op(controller, invoice, "retry", reason="customer asked").status_code == 302
+    invoice.refresh_from_db()
+    assert invoice.next_payment_attempt_at is not None
+    (row,) = AuditEvent.objects.filter(action="invoice.retry_charge", target=invoice.public_id)
+    assert row.actor_user_id == controller.user.pk and row.after["reason"] == "customer asked"
