@@ -494,3 +494,19 @@ def test_retry_charges_now_only_with_a_card_on_file(controller, ledger, stripe_s
     assert invoice.next_payment_attempt_at is not None
     (row,) = AuditEvent.objects.filter(action="invoice.retry_charge", target=invoice.public_id)
     assert row.actor_user_id == controller.user.pk and row.after["reason"] == "customer asked"
+
+
+def test_invoice_search_finds_across_organizations_and_refuses_unknown_choices(analyst,
+                                                                                ledger):
+    usd, eur = ledger["usd_invoice"], ledger["eur_invoice"]
+    listed = Tables(analyst.get("/finance/invoices/").content.decode()).tables["invoices"]
+    assert {r[0] for r in listed[1:]} == {usd.number, eur.number}
+    by_org = analyst.get(f"/finance/invoices/?organization={eur.organization.public_id}")
+    assert [r[0] for r in Tables(by_org.content.decode()).tables["invoices"][1:]] == [
+        eur.number]
+    for query in ("status=draft", "status=%3Cscript%3E", "kind=refund"):
+        response = analyst.get(f"/finance/invoices/?{query}")
+        assert response.status_code == 400 and b"must be one of" in response.content, query
+        assert b"<script>" not in response.content
+    huge = analyst.get("/finance/invoices/?number=" + "9" * 10_000)
+    assert huge.status_code == 200 and b"No invoice matches." in huge.content
