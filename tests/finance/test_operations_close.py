@@ -56,7 +56,8 @@ def due(db):
            completion_tokens=1_000_000)
     record(behind, "close-b1", before + timedelta(days=3), prompt_tokens=1_000_000)
     record(behind, "close-b2", start + timedelta(days=3), prompt_tokens=2_000_000)
-    plan_services.credit_grant_create(organization=taxed, kind="promotional", amount="1.50",
+    # a credit balance (a credit note's): paid after tax, so the tax is 20 % of all of 255.00
+    plan_services.credit_grant_create(organization=taxed, kind="credit_note", amount="1.50",
                                       granted_at=start)
     services.invoice_item_create(organization=taxed, description="Onboarding fee",
                                  amount=D("250.00"), reason="signed up", acting_user=None)
