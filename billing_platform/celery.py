@@ -87,6 +87,10 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
         "finance-export": _every(env.FINANCE_EXPORT_S, "finance.export", expires=3600.0),
         "metering-replay-spool": _every(metering_conf.spool_replay_s(), "metering.replay_spool"),
         "metering-ensure-partitions": _every(3600.0, "metering.ensure_partitions"),
+        # both recompute a recent window each run: a dropped beat is made up by the next
+        "metering-cost-attribute": _every(metering_conf.cost_attribute_every_s(),
+                                          "metering.cost_attribute"),
+        "metering-reconcile": _every(metering_conf.reconcile_every_s(), "metering.reconcile"),
     }
 
 

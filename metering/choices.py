@@ -8,7 +8,8 @@ from django.db import models
 
 from plans.choices import CapacitySource, ServiceTier
 
-__all__ = ["CapacitySource", "EventSource", "EventStatus", "ServiceTier"]
+__all__ = ["CapacitySource", "EventSource", "EventStatus", "ReconcileStatus", "ServiceTier",
+           "ThroughputSource"]
 
 
 class EventStatus(models.TextChoices):
@@ -20,3 +21,18 @@ class EventStatus(models.TextChoices):
 class EventSource(models.TextChoices):
     GATEWAY = "gateway", "Gateway"
     EXTERNAL = "external", "External ingest API"
+
+
+class ReconcileStatus(models.TextChoices):
+    """How an engine-hour's metered usage compares with the engine's own counters."""
+
+    RECONCILED = "reconciled", "Reconciled (within tolerance)"
+    DRIFT = "drift", "Drift (outside tolerance)"
+    NOT_RECONCILABLE = "not_reconcilable", "Not reconcilable (no counters from the engine)"
+
+
+class ThroughputSource(models.TextChoices):
+    """Where the prefill and decode rates that weighed an interval's requests came from."""
+
+    MEASURED = "measured", "Measured by the engine"
+    DEFAULT = "default", "Default (the engine had measured nothing yet)"

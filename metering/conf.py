@@ -7,6 +7,7 @@ machine.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -102,3 +103,81 @@ def usage_api_max_filter_values() -> int:
     """Return the most values one ``GET /api/v1/usage`` filter (project, key, ...) may list."""
     return int(_setting("METERING_USAGE_MAX_FILTER_VALUES", "TOLLGATE_USAGE_MAX_FILTER_VALUES",
                         100, int))
+
+
+# --- cost-to-serve (metering.costs) and reconciliation (metering.reconciliation) ------------
+
+def cost_interval_s() -> int:
+    """Return the length of the intervals an engine's GPU time is split over (seconds; a
+    divisor of 3600 keeps them inside hours)."""
+    return max(1, int(_setting("METERING_COST_INTERVAL_S", "TOLLGATE_COST_INTERVAL_S", 60, int)))
+
+
+def cost_settle_s() -> float:
+    """Return how long after an interval ends it is first attributed: its events must have
+    been recorded (requests end, then their events land within seconds)."""
+    return float(_setting("METERING_COST_SETTLE_S", "TOLLGATE_COST_SETTLE_S", 300.0, float))
+
+
+def cost_lookback_s() -> float:
+    """Return how far back intervals are attributed again when their events changed (a late
+    event); older ones are final."""
+    return float(_setting("METERING_COST_LOOKBACK_S", "TOLLGATE_COST_LOOKBACK_S", 7200.0, float))
+
+
+def cost_max_request_s() -> float:
+    """Return the longest a request is looked for before the interval it ran in (seconds)."""
+    return float(_setting("METERING_COST_MAX_REQUEST_S", "TOLLGATE_COST_MAX_REQUEST_S", 3600.0,
+                          float))
+
+
+def cost_throughput_window_s() -> float:
+    """Return the window around an interval over which an engine's throughput is measured."""
+    return float(_setting("METERING_COST_THROUGHPUT_WINDOW_S",
+                          "TOLLGATE_COST_THROUGHPUT_WINDOW_S", 900.0, float))
+
+
+def cost_default_rates() -> tuple[Decimal, Decimal]:
+    """Return the (prefill, decode) tokens per second used for an engine that has measured
+    neither yet (only their ratio matters: it weighs a prefill token against a decode one)."""
+    return (Decimal(_setting("METERING_COST_DEFAULT_PREFILL_TPS",
+                             "TOLLGATE_COST_DEFAULT_PREFILL_TPS", "10000")),
+            Decimal(_setting("METERING_COST_DEFAULT_DECODE_TPS",
+                             "TOLLGATE_COST_DEFAULT_DECODE_TPS", "100")))
+
+
+def cost_attribute_every_s() -> float:
+    """Return the beat interval of the cost attribution task."""
+    return float(_setting("METERING_COST_ATTRIBUTE_EVERY_S", "TOLLGATE_COST_ATTRIBUTE_EVERY_S",
+                          60.0, float))
+
+
+def reconcile_every_s() -> float:
+    """Return the beat interval of the engine-vs-gateway reconciliation task."""
+    return float(_setting("METERING_RECONCILE_EVERY_S", "TOLLGATE_RECONCILE_EVERY_S", 300.0,
+                          float))
+
+
+def reconcile_settle_s() -> float:
+    """Return how long after an hour ends it is closed: reconciled for good, alerted on."""
+    return float(_setting("METERING_RECONCILE_SETTLE_S", "TOLLGATE_RECONCILE_SETTLE_S", 300.0,
+                          float))
+
+
+def reconcile_lookback_s() -> float:
+    """Return how far back engine-hours are reconciled again (late events, late scrapes)."""
+    return float(_setting("METERING_RECONCILE_LOOKBACK_S", "TOLLGATE_RECONCILE_LOOKBACK_S",
+                          10800.0, float))
+
+
+def reconcile_tolerance() -> Decimal:
+    """Return the relative difference between metered and engine counts that is drift."""
+    return Decimal(_setting("METERING_RECONCILE_TOLERANCE", "TOLLGATE_RECONCILE_TOLERANCE",
+                            "0.001"))
+
+
+def reconcile_boundary_s() -> float:
+    """Return how close to a scrape an event may end and still have been counted by the
+    engine on the scrape's other side (scrape latency plus the gateway's last steps)."""
+    return float(_setting("METERING_RECONCILE_BOUNDARY_S", "TOLLGATE_RECONCILE_BOUNDARY_S", 0.5,
+                          float))

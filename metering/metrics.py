@@ -3,7 +3,8 @@
 Counters are incremented where the work happens (the gateway's append, the record path of the
 consumer and the fallbacks); ``usage_recorded`` runs only once a batch's transaction committed,
 so a batch rolled back and retried is counted once. ``MeteringCollector`` reads the stream, the
-dead letters and the spool when ``/metrics`` is scraped (see ``billing_platform.metrics``).
+dead letters, the spool and the reconciliation ledger when ``/metrics`` is scraped (see
+``billing_platform.metrics``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import redis
 from django.db import connection, transaction
+from django.utils import timezone
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -60,6 +63,7 @@ for _source in EventSource.values:
 
 # How many dead letters are counted at most: beyond this the gauge says "at least".
 DEAD_LETTER_COUNT_CAP = 100_000
+RECONCILE_SHOWN = timedelta(days=2)  # how far back drifting engine-hours stay on /metrics
 _ROLLUP_MODEL, _ROLLUP_REGION, _ROLLUP_TIER, _ROLLUP_CURRENCY = 3, 4, 5, 7
 
 
@@ -106,6 +110,7 @@ class MeteringCollector:
         yield from self._stream()
         yield from self._dead_letters()
         yield from self._spool()
+        yield from self._reconciliation()
 
     @staticmethod
     def _stream() -> Iterator[Metric]:
@@ -162,6 +167,31 @@ class MeteringCollector:
         yield _gauge("tollgate_usage_dead_letters",
                      f"Unresolved dead-lettered usage events (counted up to "
                      f"{DEAD_LETTER_COUNT_CAP}).", count)
+
+    @staticmethod
+    def _reconciliation() -> Iterator[Metric]:
+        from metering.selectors import usage_engine_capture_latest, usage_engine_drift_open
+
+        since = timezone.now() - RECONCILE_SHOWN
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SET LOCAL statement_timeout = 2000")
+            drift = usage_engine_drift_open(since=since)
+            capture = usage_engine_capture_latest(since=since)
+        gauge = GaugeMetricFamily(
+            "tollgate_engine_reconcile_drift",
+            "1 for each closed engine-hour (of the last two days) whose metered usage differs "
+            "from the engine's own counters by more than the tolerance (usage_engine_hour).",
+            labels=["engine", "hour"])
+        for engine, hour in drift:
+            gauge.add_metric([engine, hour.strftime("%Y-%m-%dT%H:00Z")], 1)
+        yield gauge
+        ratio = GaugeMetricFamily(
+            "tollgate_engine_capture_ratio",
+            "Metered requests / the engine's own count, in the engine's latest closed "
+            "reconciled hour (1: every request it finished was metered).", labels=["engine"])
+        for engine, rate in sorted(capture.items()):
+            ratio.add_metric([engine], float(rate))
+        yield ratio
 
     @staticmethod
     def _spool() -> Iterator[Metric]:

@@ -29,10 +29,19 @@ from django.db.models.functions import Now
 
 from billing_platform.accounts.models import ApiKey, Organization, Project
 from billing_platform.model_fields import decimal_field_maker
-from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
+from metering.choices import (
+    CapacitySource,
+    EventSource,
+    EventStatus,
+    ReconcileStatus,
+    ServiceTier,
+    ThroughputSource,
+)
 from metering.events import MAX_KEY
 
 _amount = decimal_field_maker(max_digits=28, decimal_places=10)
+_gpu_seconds = decimal_field_maker(max_digits=24, decimal_places=6)  # exact to the microsecond
+_rate = decimal_field_maker(max_digits=24, decimal_places=6)
 _M = TypeVar("_M", bound=models.Model)
 
 
@@ -124,7 +133,9 @@ class UsageRollupHourly(models.Model):
     """Sums of rated events per hour and dimension; kept in the ingest transaction.
 
     Amounts are in ``currency`` (10 places); cost-to-serve is internal (never shown to
-    customers). Every number equals the sum over the matching ``usage_event`` rows.
+    customers). Every number equals the sum over the matching ``usage_event`` rows, except
+    ``gpu_seconds`` and the attributed part of ``cost_to_serve``: those are the sums of the
+    events' ``UsageCostShare`` rows, added when ``metering.costs`` attributes an interval (USD).
     """
 
     organization = _fk(Organization)
@@ -150,7 +161,11 @@ class UsageRollupHourly(models.Model):
     cached_input_amount = _amount(default=Decimal("0"))
     output_amount = _amount(default=Decimal("0"))
     credits_consumed = _amount(default=Decimal("0"))
+    # reported by external engines at ingest, plus the GPU time attributed afterwards
     cost_to_serve = _amount(default=Decimal("0"))
+    gpu_seconds = _gpu_seconds(
+        db_default=Decimal("0"),
+        help_text="GPU-seconds attributed to the hour's events (metering.costs).")
 
     class Meta:
         db_table = "usage_rollup_hourly"
@@ -243,3 +258,139 @@ class UsageIdConflict(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} claimed by {self.source} ({self.attempts}x)"
+
+
+class UsageCostInterval(models.Model):
+    """One engine's GPU time over one interval: what its requests used, and what stood idle.
+
+    ``capacity_us`` (interval x GPUs, in GPU-microseconds) is ``attributed_us + idle_us``
+    exactly, and ``capacity_cost`` is ``attributed_cost + idle_cost`` exactly (both CHECKs);
+    the attributed part is split over the interval's events in ``UsageCostShare``
+    (``engine_adapter.cost`` says how). Written by ``metering.costs.usage_costs_attribute``,
+    and written again while the events it split change (a late event) within
+    ``TOLLGATE_COST_LOOKBACK_S``. Costs are USD, as the pools' GPU prices are. The GPUs and
+    their price are the pool's when the interval was attributed.
+    """
+
+    engine = models.CharField(max_length=200)
+    pool = models.CharField(max_length=80)
+    start = models.DateTimeField(help_text="Start of the interval (UTC).")
+    seconds = models.PositiveIntegerField(help_text="Length of the interval.")
+    gpus = models.PositiveIntegerField()
+    gpu_hourly_cost = models.DecimalField(max_digits=12, decimal_places=6,
+                                          help_text="USD per GPU-hour.")
+    capacity_us = models.PositiveBigIntegerField(help_text="seconds x GPUs x 1e6.")
+    attributed_us = models.PositiveBigIntegerField()
+    idle_us = models.PositiveBigIntegerField()
+    capacity_cost = _amount()
+    attributed_cost = _amount()
+    idle_cost = _amount()
+    requests = models.PositiveIntegerField(help_text="Events with a share of the interval.")
+    prefill_tokens_per_s = _rate()
+    decode_tokens_per_s = _rate()
+    throughput_source = models.CharField(max_length=16, choices=ThroughputSource.choices)
+    fingerprint = models.CharField(max_length=64, help_text="Of the events it split.")
+    computed_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "usage_cost_interval"
+        constraints = [
+            models.UniqueConstraint(fields=["engine", "start"], name="usage_cost_interval_key"),
+            models.CheckConstraint(
+                condition=models.Q(capacity_us=models.F("attributed_us") + models.F("idle_us")),
+                name="usage_cost_interval_gpu_time_conserved"),
+            models.CheckConstraint(
+                condition=models.Q(
+                    capacity_cost=models.F("attributed_cost") + models.F("idle_cost")),
+                name="usage_cost_interval_cost_conserved"),
+        ]
+        indexes = [models.Index(fields=["start"], name="usage_cost_interval_start")]
+
+    def __str__(self) -> str:
+        return f"{self.engine} {self.start:%Y-%m-%d %H:%M:%S} +{self.seconds}s"
+
+
+class UsageCostShare(models.Model):
+    """What one usage event used of one engine-interval: GPU-microseconds and their cost (USD).
+
+    An event's ``gpu_seconds`` and cost-to-serve are the sums of its shares (a request spanning
+    intervals has one per interval). Kept apart from the append-only ``usage_event``: an
+    attribution is worked out after the fact and may be worked out again.
+    """
+
+    interval = models.ForeignKey(UsageCostInterval, on_delete=models.CASCADE,
+                                 related_name="shares")
+    event_id = models.BigIntegerField(help_text="usage_event.id")
+    event_time = models.DateTimeField(help_text="The event's (locates its partition).")
+    organization_id = models.BigIntegerField()
+    gpu_us = models.PositiveBigIntegerField()
+    cost = _amount()
+
+    class Meta:
+        db_table = "usage_cost_share"
+        constraints = [models.UniqueConstraint(fields=["interval", "event_id"],
+                                               name="usage_cost_share_key")]
+        indexes = [
+            models.Index(fields=["event_id"], name="usage_cost_share_event"),
+            models.Index(fields=["organization_id", "event_time"], name="usage_cost_share_org"),
+        ]
+
+    def __str__(self) -> str:
+        return f"event {self.event_id}: {self.gpu_us} GPU-us"
+
+
+class UsageEngineHour(models.Model):
+    """One engine-hour reconciled: the engine's own counters against the usage metered from it.
+
+    The engine's side is the sum of its counters' deltas over the scrape windows that end in
+    the hour (only windows between two scrapes of one process life: a restart starts a new
+    one); the metered side is the events from that engine (batch lines included, engine
+    errors not: the engine counts a request when it finishes) that ended inside those windows.
+    Events that ended where no window covers the engine (after its last scrape before a
+    restart) are ``unverified``: neither side can show them. ``capture_rate`` is metered /
+    engine requests, ``token_capture_rate`` the same for prompt plus generated tokens.
+    ``slack_*``: metered events that ended within ``TOLLGATE_RECONCILE_BOUNDARY_S`` of the
+    windows' outer edges, which a scrape may have counted on either side. Written by
+    ``metering.reconciliation``; an hour is ``closed`` once it ended
+    ``TOLLGATE_RECONCILE_SETTLE_S`` ago, and only a closed hour in drift raises an alert.
+    """
+
+    engine = models.CharField(max_length=200)
+    pool = models.CharField(max_length=80, blank=True)
+    hour = models.DateTimeField(help_text="Start of the UTC hour.")
+    status = models.CharField(max_length=20, choices=ReconcileStatus.choices)
+    reason = models.TextField(blank=True)
+    engine_requests = models.PositiveBigIntegerField(null=True, blank=True)
+    engine_prompt_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    engine_cached_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    engine_generation_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    metered_requests = models.PositiveBigIntegerField(default=0)
+    metered_prompt_tokens = models.PositiveBigIntegerField(default=0)
+    metered_cached_tokens = models.PositiveBigIntegerField(default=0)
+    metered_completion_tokens = models.PositiveBigIntegerField(default=0)
+    metered_batch_requests = models.PositiveBigIntegerField(default=0)
+    unverified_requests = models.PositiveBigIntegerField(default=0)
+    unverified_tokens = models.PositiveBigIntegerField(default=0)
+    slack_requests = models.PositiveBigIntegerField(default=0)
+    slack_tokens = models.PositiveBigIntegerField(default=0)
+    capture_rate = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
+    token_capture_rate = models.DecimalField(max_digits=14, decimal_places=6, null=True,
+                                             blank=True)
+    epochs = models.PositiveIntegerField(default=0, help_text="Process lives seen in the hour.")
+    covered_from = models.DateTimeField(null=True, blank=True)
+    covered_to = models.DateTimeField(null=True, blank=True)
+    closed = models.BooleanField(default=False)
+    computed_at = models.DateTimeField()
+    alerted_at = models.DateTimeField(null=True, blank=True,
+                                      help_text="When its drift was audited (once).")
+
+    class Meta:
+        db_table = "usage_engine_hour"
+        constraints = [models.UniqueConstraint(fields=["engine", "hour"],
+                                               name="usage_engine_hour_key")]
+        indexes = [models.Index(fields=["hour"], name="usage_engine_hour_hour"),
+                   models.Index(fields=["-hour"], condition=models.Q(status="drift"),
+                                name="usage_engine_hour_drift")]
+
+    def __str__(self) -> str:
+        return f"{self.engine} {self.hour:%Y-%m-%d %H}:00 {self.status}"

@@ -1,5 +1,10 @@
 """Reads of the metering app: usage summaries from the hourly rollups, events by request id,
-dead letters."""
+dead letters, cost-to-serve (per event, per pool's GPU time) and the engine-hour ledger.
+
+Length: every read of metering's tables is here (STYLE.md: each app owns its tables), so
+``grep metering.selectors`` shows every reader in the platform; the sections follow the
+tables they read. Split it into a package by table when another family of reads lands.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,19 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from django.db import connection
+from django.db import connection, models
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDay
 
 from metering.events import WIRE_VERSION
-from metering.models import UsageDeadLetter, UsageEvent, UsageEventId, UsageRollupHourly
+from metering.models import (
+    UsageCostInterval,
+    UsageDeadLetter,
+    UsageEngineHour,
+    UsageEvent,
+    UsageEventId,
+    UsageRollupHourly,
+)
 
 # group_by name -> rollup expression, and how it is shown
 GROUPS = {
@@ -461,3 +473,98 @@ def usage_recorded_after(*, windows: Sequence[tuple[int, datetime, datetime, dat
     with connection.cursor() as cur:
         cur.execute(_RECORDED_AFTER_SQL, [list(c) for c in columns])
         return {org for (org,) in cur}
+
+
+# --- cost-to-serve (metering.costs) and reconciliation (metering.reconciliation) ----------------
+# Rollups carry ``gpu_seconds`` and ``cost_to_serve`` per hour and dimension (read them with
+# the usage sums above); these read what rollups cannot: one event's cost, a pool's idle time.
+
+
+@dataclass(frozen=True)
+class EventCost:
+    """The GPU time attributed to one event over every interval it ran in, and its cost (USD)."""
+
+    gpu_seconds: Decimal
+    cost: Decimal
+
+
+_EVENT_COSTS_SQL = """
+SELECT event_id, SUM(gpu_us), SUM(cost) FROM usage_cost_share
+ WHERE event_id = ANY(%s) GROUP BY event_id
+"""
+
+
+def usage_event_costs(*, event_ids: Sequence[int]) -> dict[int, EventCost]:
+    """Return the attributed GPU-seconds and cost of each event that has any (one whose
+    intervals are not attributed yet is absent). The event's own ``cost_to_serve`` is what an
+    external engine's operator reported; add the two for its whole cost."""
+    if not event_ids:
+        return {}
+    with connection.cursor() as cur:
+        cur.execute(_EVENT_COSTS_SQL, [list(event_ids)])
+        return {event_id: EventCost(Decimal(gpu_us).scaleb(-6), cost)
+                for event_id, gpu_us, cost in cur.fetchall()}
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """A pool's GPU time over a range: what its requests used, and what stood idle.
+
+    Seconds are GPU-seconds (interval x GPUs), exact; costs are USD at the pool's GPU price.
+    ``attributed / capacity`` is its measured utilization; idle cost is the capacity nobody
+    used.
+    """
+
+    pool: str
+    engines: int
+    intervals: int
+    requests: int
+    capacity_gpu_seconds: Decimal
+    attributed_gpu_seconds: Decimal
+    idle_gpu_seconds: Decimal
+    capacity_cost: Decimal
+    attributed_cost: Decimal
+    idle_cost: Decimal
+
+
+def usage_pool_capacity(*, start: datetime, end: datetime) -> list[PoolCapacity]:
+    """Return each pool's GPU time over the attributed intervals starting in ``[start, end)``."""
+    rows = (UsageCostInterval.objects.filter(start__gte=start, start__lt=end).values("pool")
+            .annotate(engines=models.Count("engine", distinct=True),
+                      intervals=models.Count("id"), requests=Sum("requests"),
+                      capacity_us=Sum("capacity_us"), attributed_us=Sum("attributed_us"),
+                      idle_us=Sum("idle_us"), capacity_cost=Sum("capacity_cost"),
+                      attributed_cost=Sum("attributed_cost"), idle_cost=Sum("idle_cost"))
+            .order_by("pool"))
+    return [PoolCapacity(
+        pool=r["pool"], engines=r["engines"], intervals=r["intervals"], requests=r["requests"],
+        capacity_gpu_seconds=Decimal(r["capacity_us"]).scaleb(-6),
+        attributed_gpu_seconds=Decimal(r["attributed_us"]).scaleb(-6),
+        idle_gpu_seconds=Decimal(r["idle_us"]).scaleb(-6), capacity_cost=r["capacity_cost"],
+        attributed_cost=r["attributed_cost"], idle_cost=r["idle_cost"]) for r in rows]
+
+
+def usage_engine_hours(*, start: datetime, end: datetime, engine: str | None = None,
+                       status: str | None = None) -> QuerySet[UsageEngineHour]:
+    """Return the reconciliation ledger's engine-hours in ``[start, end)``, oldest first."""
+    rows = UsageEngineHour.objects.filter(hour__gte=start, hour__lt=end)
+    if engine is not None:
+        rows = rows.filter(engine=engine)
+    if status is not None:
+        rows = rows.filter(status=status)
+    return rows.order_by("hour", "engine")
+
+
+def usage_engine_drift_open(*, since: datetime) -> list[tuple[str, datetime]]:
+    """Return the closed engine-hours in drift since ``since`` as (engine, hour)."""
+    return list(UsageEngineHour.objects.filter(status="drift", closed=True, hour__gte=since)
+                .order_by("-hour", "engine").values_list("engine", "hour")[:1000])
+
+
+def usage_engine_capture_latest(*, since: datetime) -> dict[str, Decimal]:
+    """Return each engine's request capture rate in its latest closed, reconcilable hour."""
+    rows = (UsageEngineHour.objects.filter(closed=True, hour__gte=since,
+                                           capture_rate__isnull=False)
+            .order_by("engine", "-hour").distinct("engine").values_list("engine",
+                                                                        "capture_rate"))
+    return {engine: rate for engine, rate in rows if rate is not None}
