@@ -18,8 +18,8 @@ from billing_platform.errors import InvalidRequest
 from billing_platform.gateway.apis import openai_endpoint
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.batch import services as batch_services
-from billing_platform.gateway.db_connections import in_thread
 from billing_platform.gateway.bodies import GatewayRequest, file_response
+from billing_platform.gateway.db_connections import in_thread
 from billing_platform.gateway.models import Batch, StoredFile
 from billing_platform.json_input import json_loads
 
