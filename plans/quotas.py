@@ -81,9 +81,9 @@ def budgets_of(*, organization: Organization) -> list[Budget]:
 
 def _audit(*, organization_id: int, action: str, subject: str = "",
            details: dict[str, Any] | None = None, actor: Any = None) -> None:
-    with transaction.atomic():  # a savepoint inside the action's transaction, if any
-        audit_record(acting_user=actor, organization=organization_id, action=action,
-                     target=subject, after=details or {})
+    """Write the action's audit row; call it inside the action's own transaction."""
+    audit_record(acting_user=actor, organization=organization_id, action=action,
+                 target=subject, after=details or {})
 
 
 def budget_set(*, organization: Organization, project: Project | None = None,
@@ -127,6 +127,7 @@ def budget_set(*, organization: Organization, project: Project | None = None,
     return budget
 
 
+@transaction.atomic
 def budget_delete(*, budget: Budget, actor: Any = None) -> None:
     """Remove a budget (its keys are no longer limited by it)."""
     _audit(organization_id=budget.organization_id, action="budget.delete",
@@ -158,21 +159,16 @@ def _email_alert(alert: BudgetAlert, state: BudgetState) -> None:
 def _apply_suspension(state: BudgetState) -> str:
     budget = state.budget
     exhausted = budget.hard and state.live_spend >= budget.amount
-    if exhausted and budget.suspended_at is None:
-        budget.suspended_at = timezone.now()
+    if exhausted == (budget.suspended_at is not None):
+        return ""
+    with transaction.atomic():
+        budget.suspended_at = timezone.now() if exhausted else None
         budget.save(update_fields=["suspended_at"])
-        _audit(organization_id=budget.organization_id, action="keys.suspended",
+        _audit(organization_id=budget.organization_id,
+               action="keys.suspended" if exhausted else "keys.reinstated",
                subject=budget.public_id, details={"spend": str(state.live_spend),
                                                   "amount": str(budget.amount)})
-        return "suspended"
-    if not exhausted and budget.suspended_at is not None:
-        budget.suspended_at = None
-        budget.save(update_fields=["suspended_at"])
-        _audit(organization_id=budget.organization_id, action="keys.reinstated",
-               subject=budget.public_id, details={"spend": str(state.live_spend),
-                                                  "amount": str(budget.amount)})
-        return "reinstated"
-    return ""
+    return "suspended" if exhausted else "reinstated"
 
 
 def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str, Any]:
@@ -193,9 +189,10 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
         r.eval(scripts.RAISE_SPENT_LUA, 1, key, admission.to_micro(pg))
         fixed = raw is not None
         if raw is not None:
-            _audit(organization_id=budget.organization_id, action="budget.drift_fixed",
-                   subject=budget.public_id,
-                   details={"redis": str(admission.from_micro(raw)), "postgres": str(pg)})
+            with transaction.atomic():  # the fix itself is in Redis: the row is all there is
+                _audit(organization_id=budget.organization_id, action="budget.drift_fixed",
+                       subject=budget.public_id,
+                       details={"redis": str(admission.from_micro(raw)), "postgres": str(pg)})
     state = budget_state(budget=budget, at=at)
     fired = []
     for threshold in budget.thresholds:
@@ -205,13 +202,13 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
             with transaction.atomic():
                 alert = BudgetAlert.objects.create(budget=budget, period_start=start,
                                                    threshold=threshold, spend=state.live_spend)
+                _audit(organization_id=budget.organization_id, action="budget.alert",
+                       subject=budget.public_id,
+                       details={"threshold": threshold, "spend": str(state.live_spend)})
                 if budget.webhook_url:
                     budget_alert_webhook_enqueue(alert=alert)  # sent once this commits
         except IntegrityError:
             continue  # already fired this period
-        _audit(organization_id=budget.organization_id, action="budget.alert",
-               subject=budget.public_id,
-               details={"threshold": threshold, "spend": str(state.live_spend)})
         _email_alert(alert, state)
         fired.append(threshold)
     change = _apply_suspension(state)
