@@ -99,8 +99,7 @@ class CallResult:
 
     Its cost-to-serve is not known when the call ends: it is the call's share of the engine's
     GPU time over the intervals it ran in, attributed afterwards from the engine's own counters
-    (``engine_adapter.cost``, ``metering.costs``). ``cost_to_serve`` stays 0 here; the usage
-    event carries it only for engines whose operators report a cost per request (the usage API).
+    (``engine_adapter.cost``, ``metering.costs``).
     """
 
     engine: EngineInfo
@@ -113,7 +112,6 @@ class CallResult:
     queue_ms: float = 0.0
     ttft_ms: float | None = None
     total_ms: float = 0.0
-    cost_to_serve: Decimal = Decimal("0")
     attempts: int = 1
     response_id: str | None = None
 

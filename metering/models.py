@@ -11,7 +11,10 @@ own unguessable ``req_...``, and ids reported through the usage API are stored a
 An external event that tries to is refused and kept in ``usage_id_conflict``.
 
 Token counts are tokens; ``amount`` and ``cost_to_serve`` keep 10 decimal places in the rated
-currency (cost-to-serve in the platform's currency, USD). Timings are milliseconds.
+currency (cost-to-serve in the platform's currency, USD). An event's own ``cost_to_serve`` is
+what an external engine's operator reported with it (0 for the fleet's engines): the GPU time
+of the fleet is attributed afterwards, in ``UsageCostShare`` (``metering.costs``). Timings are
+milliseconds.
 
 Foreign keys on the event and rollup tables are not enforced by the database (``db_constraint``
 off) and never cascade: usage is a financial record that outlives keys and projects, and per-row

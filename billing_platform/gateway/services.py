@@ -103,6 +103,7 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
     """Build the usage event of one request from the ENGINE's counts.
 
     ``result`` None means the engine failed before any output: an unbilled ``engine_error``.
+    Its cost-to-serve is attributed afterwards from the engine's GPU time (``metering.costs``).
     """
     return {
         "request_id": request_id,
@@ -122,7 +123,6 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
         "ttft_ms": round(result.ttft_ms) if result and result.ttft_ms is not None else None,
         "total_ms": round(result.total_ms) if result else None,
         "status": result.status if result else "engine_error",
-        "cost_to_serve": str(result.cost_to_serve) if result else "0",
         "event_time": started.isoformat(),
     }
 
