@@ -12,7 +12,7 @@ prices). Split it into a package when a new family of writes arrives.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -506,19 +506,22 @@ def credit_grant_create(
 
 def credit_grants_apply(
     *, organization: Organization, currency: str, amount: Decimal, reference: str,
-    at: datetime | None = None,
+    at: datetime | None = None, kinds: Collection[str] | None = None,
 ) -> list[CreditGrantApplication]:
     """Use the organization's credit against ``amount``, oldest expiry first; once per reference.
 
-    Returns the applications (empty when there is no credit). Calling it again with the same
-    ``reference`` returns the applications made the first time and takes nothing more.
+    Only grants of ``kinds`` are used when it is given (invoicing applies discount credit
+    before tax and a credit balance after it). Returns the applications (empty when there is
+    no credit). Calling it again with the same ``reference`` returns the applications made the
+    first time and takes nothing more.
     """
     at = _aware(at or timezone.now(), "at")
     amount = _decimal(amount, "amount")
     with transaction.atomic():
         grants = list(
             CreditGrant.objects.select_for_update()
-            .filter(organization=organization, currency=currency.upper(), granted_at__lte=at)
+            .filter(organization=organization, currency=currency.upper(), granted_at__lte=at,
+                    **({} if kinds is None else {"kind__in": list(kinds)}))
             .order_by(F("expires_at").asc(nulls_last=True), "granted_at", "id"))
         done = list(CreditGrantApplication.objects.filter(
             grant__organization=organization, reference=reference).order_by("id"))

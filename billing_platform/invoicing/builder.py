@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -35,11 +36,19 @@ from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
 from billing_platform.invoicing.models import PendingInvoiceItem
 from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
 from metering.selectors import PeriodUsage, usage_late_hours, usage_sums_for_periods
-from plans.choices import TokenClass
+from plans.choices import CreditGrantKind, TokenClass
 from plans.models import CreditPackPurchase, Reservation, Subscription
 from plans.selectors import reservation_fee_for_period, subscription_months_in_period
 
 log = logging.getLogger(__name__)
+# Credit applied before tax is a discount: it lowers the taxable amount. Promotional and
+# goodwill credit are price reductions; purchased credit was taxed when its pack was bought, so
+# taxing the usage it pays for again would tax the same money twice. A credit note's balance is
+# money the customer paid, tax included, given back: a payment, applied after tax.
+CREDITS_BEFORE_TAX = frozenset({CreditGrantKind.PROMOTIONAL, CreditGrantKind.GOODWILL,
+                                CreditGrantKind.PURCHASED})
+CREDITS_AFTER_TAX = frozenset({CreditGrantKind.CREDIT_NOTE})
+BEFORE_TAX, AFTER_TAX = "before_tax", "after_tax"  # a credit line's details["applied"]
 MILLION = Decimal(1_000_000)
 PRECISE = Decimal("1E-10")
 QUANTITY = Decimal("1E-6")  # invoice line quantities have 6 places
@@ -154,16 +163,40 @@ class DraftInvoice:
         self.lines.append(line)
         return line
 
+    @property
+    def taxable(self) -> Decimal:
+        """The subtotal less the credits applied before tax (discounts)."""
+        return self.subtotal + sum((ln.amount for ln in self.lines if ln.kind == LineKind.CREDIT
+                                    and ln.details.get("applied") == BEFORE_TAX), ZERO)
+
     def add_tax(self) -> None:
-        """Append the tax line: the org's rate on the rounded subtotal, rounded once."""
+        """Append the tax line: the org's rate on the taxable amount, rounded once."""
         rate = self.target.tax_rate
         if rate:
             self.add(LineKind.TAX, f"Tax ({rate * 100:.2f} %)",
-                     EXACT.multiply(self.subtotal, rate), quantity=Decimal(1), unit_price=rate)
+                     EXACT.multiply(self.taxable, rate), quantity=Decimal(1), unit_price=rate)
 
-    def add_credit(self, applied: Decimal) -> None:
-        if applied > 0:
-            self.add(LineKind.CREDIT, "Credits applied", -applied)
+    def add_credits(self, *, before_tax: Callable[[Decimal], Decimal],
+                    after_tax: Callable[[Decimal], Decimal]) -> None:
+        """Apply credit on each side of tax, computing the tax line again between them.
+
+        ``before_tax`` is given the subtotal and returns what the organization's discount
+        credit covers of it (promotional, goodwill and purchased credit, ``CREDITS_BEFORE_TAX``:
+        it lowers what is taxed); ``after_tax`` is given the total then due and returns what
+        its credit balance pays of it (a credit note's, a payment). Each returns 0 for none.
+        """
+        self.lines = [ln for ln in self.lines if ln.kind != LineKind.TAX]
+        if self.subtotal > 0:
+            covered = before_tax(self.subtotal)
+            if covered > 0:
+                self.add(LineKind.CREDIT, "Credits applied", -covered,
+                         details={"applied": BEFORE_TAX})
+        self.add_tax()
+        if self.total > 0:
+            paid = after_tax(self.total)
+            if paid > 0:
+                self.add(LineKind.CREDIT, "Credit balance applied", -paid,
+                         details={"applied": AFTER_TAX})
 
 
 def _usage_lines(draft: DraftInvoice, u: UsageSum, *,
@@ -407,7 +440,7 @@ def build_drafts(targets: list[Target]) -> dict[int, DraftInvoice]:
 
     Lines, in order: usage (model, tier, region, source, token class), late usage, plan fees,
     reservation fees, credit packs, one-off items, then tax. Credits are applied when the
-    invoice is finalized.
+    invoice is finalized (``DraftInvoice.add_credits``, which computes the tax again).
     """
     if not targets:
         return {}

@@ -9,16 +9,24 @@ force then (a subscription's start, else calendar months). Period close
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Max, Q, QuerySet, Sum
 from django.utils import timezone
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
-from billing_platform.invoicing.builder import DraftInvoice, DraftLine, Target, build_drafts
+from billing_platform.invoicing.builder import (
+    CREDITS_AFTER_TAX,
+    CREDITS_BEFORE_TAX,
+    DraftInvoice,
+    DraftLine,
+    Target,
+    build_drafts,
+)
 from billing_platform.invoicing.choices import InvoiceKind
 from billing_platform.invoicing.models import Invoice, InvoiceLine
 from billing_platform.invoicing.money import ZERO
@@ -94,11 +102,17 @@ def upcoming_invoice(*, organization: Organization, now: datetime | None = None
     (target,) = _targets([(organization.id, organization.currency, organization.tax_rate,
                            organization.created_at)], now=now, due_only=False)
     draft = build_drafts([target])[organization.id]
-    left = sum((g.remaining for g in CreditGrant.objects.filter(
+    left = dict(CreditGrant.objects.filter(
         organization=organization, currency=draft.currency, remaining__gt=0,
-        granted_at__lte=now).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))), ZERO)
-    if draft.total > 0 and left > 0:
-        draft.add_credit(min(left, draft.total))
+        granted_at__lte=now).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .values("kind").annotate(left=Sum("remaining")).values_list("kind", "left"))
+
+    def preview(kinds: frozenset[str]) -> Callable[[Decimal], Decimal]:
+        return lambda amount: min(amount, sum((v for k, v in left.items() if k in kinds), ZERO))
+
+    if left:
+        draft.add_credits(before_tax=preview(CREDITS_BEFORE_TAX),
+                          after_tax=preview(CREDITS_AFTER_TAX))
     return draft
 
 

@@ -156,10 +156,11 @@ def test_a_month_of_mixed_traffic_closes_to_hand_computed_lines(month):
     subtotal = (d("1.10") + d("0.10") + d("1.07") + d("0.60") + d("0.40") + d("0.75")
                 + d("0.08") + d("1.50") + d("0.60") + d("0.15") + d("200.00"))
     assert inv_a.subtotal == subtotal == d("206.35")
-    assert inv_a.tax == cents(subtotal * d("0.2")) == d("41.27")
-    # the 5.00 grant is consumed; total = sum of the rounded lines
+    # the 5.00 promotional grant is consumed before tax (a discount: it lowers what is taxed);
+    # total = sum of the rounded lines
     assert inv_a.credits_applied == d("5.00")
-    assert inv_a.total == inv_a.amount_due == d("242.62")
+    assert inv_a.tax == cents((subtotal - d("5.00")) * d("0.2")) == d("40.27")
+    assert inv_a.total == inv_a.amount_due == d("241.62")
     assert sum(ln.amount for ln in inv_a.lines.all()) == inv_a.total
     assert CreditGrant.objects.get(organization=a).remaining == 0
 
@@ -282,7 +283,7 @@ def test_late_event_goes_on_the_next_invoice_and_the_old_one_never_changes(month
     assert november.total == d("1.20")
     october.refresh_from_db()
     assert [(ln.description, ln.amount) for ln in october.lines.all()] == before
-    assert october.total == d("242.62")
+    assert october.total == d("241.62")
 
     # and a later close does not bill it a second time
     services.period_close_run(now=DEC + timedelta(days=31, hours=1), enqueue_payments=False)
@@ -371,7 +372,7 @@ def test_finalized_invoices_are_immutable_and_unique_per_period(month):
     # status may still move (payment bookkeeping)
     services.invoice_mark_paid(invoice=invoice, acting_user=None)
     invoice.refresh_from_db()
-    assert invoice.status == InvoiceStatus.PAID and invoice.total == d("242.62")
+    assert invoice.status == InvoiceStatus.PAID and invoice.total == d("241.62")
 
 
 def test_credit_note_reduces_what_is_due_and_void_returns_credits(month):
@@ -448,9 +449,9 @@ def test_a_hand_made_draft_is_finalized_with_tax_credits_and_a_number(catalog):
                                amount=d("10.01"))
     invoice = services.invoice_finalize(invoice=draft, enqueue_payment=False)
     assert invoice.status == InvoiceStatus.OPEN and invoice.number.startswith("INV-")
-    # 10.01 + tax 2.00 (20 % of 10.01 = 2.002) - 1.00 credit
-    assert [ln.amount for ln in invoice.lines.all()] == [d("10.01"), d("2.00"), d("-1.00")]
-    assert (invoice.subtotal, invoice.tax, invoice.total) == (d("10.01"), d("2.00"), d("11.01"))
+    # 10.01 - 1.00 promotional credit (before tax) + tax 1.80 (20 % of 9.01 = 1.802)
+    assert [ln.amount for ln in invoice.lines.all()] == [d("10.01"), d("-1.00"), d("1.80")]
+    assert (invoice.subtotal, invoice.tax, invoice.total) == (d("10.01"), d("1.80"), d("10.81"))
     with pytest.raises(Conflict, match="already finalized"):
         services.invoice_finalize(invoice=invoice)
 

@@ -10,6 +10,7 @@ the invoice billed (``items``). Numbers come from a gapless sequence per series 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -18,9 +19,15 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from billing_platform.accounts.models import Organization
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import Conflict
-from billing_platform.invoicing.builder import DraftInvoice, Target
+from billing_platform.invoicing.builder import (
+    CREDITS_AFTER_TAX,
+    CREDITS_BEFORE_TAX,
+    DraftInvoice,
+    Target,
+)
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus, LineKind
 from billing_platform.invoicing.models import Invoice, InvoiceLine
 from billing_platform.invoicing.money import ZERO, quantize_money
@@ -43,6 +50,21 @@ def invoice_numbers_reserve(*, series: str, count: int) -> int:
                     "WHERE series = %s RETURNING next_number", [count, series])
         next_number: int = cur.fetchone()[0]
         return next_number - count
+
+
+def draft_credits_apply(draft: DraftInvoice, *, organization: Organization, reference: str,
+                        now: datetime) -> None:
+    """Take the organization's credit for a draft: its discount credit before tax, then its
+    credit balance after it (``DraftInvoice.add_credits``); once per ``reference``."""
+    def take(kinds: frozenset[str], ref: str) -> Callable[[Decimal], Decimal]:
+        def apply(amount: Decimal) -> Decimal:
+            applied = credit_grants_apply(organization=organization, currency=draft.currency,
+                                          amount=amount, reference=ref, at=now, kinds=kinds)
+            return sum((a.amount for a in applied), ZERO)
+        return apply
+
+    draft.add_credits(before_tax=take(CREDITS_BEFORE_TAX, reference),
+                      after_tax=take(CREDITS_AFTER_TAX, f"{reference}:balance"))
 
 
 def invoice_series(*, kind: str, at: datetime) -> str:
@@ -82,11 +104,7 @@ def invoice_finalize(*, invoice: Invoice, now: datetime | None = None,
     for ln in lines:
         draft.add(ln.kind, ln.description, ln.amount_precise)
     draft.add_tax()
-    if draft.total > 0:
-        applied = credit_grants_apply(organization=org, currency=invoice.currency,
-                                      amount=draft.total, reference=f"invoice:{invoice.id}",
-                                      at=now)
-        draft.add_credit(sum((a.amount for a in applied), ZERO))
+    draft_credits_apply(draft, organization=org, reference=f"invoice:{invoice.id}", now=now)
     invoice.lines.filter(kind__in=[LineKind.TAX, LineKind.CREDIT]).delete()
     position = max((ln.position for ln in lines), default=0)
     for new in draft.lines[len(lines):]:
@@ -94,7 +112,7 @@ def invoice_finalize(*, invoice: Invoice, now: datetime | None = None,
         InvoiceLine.objects.create(
             invoice=invoice, position=position, kind=new.kind, description=new.description,
             quantity=new.quantity, unit_price=new.unit_price, amount_precise=new.amount_precise,
-            amount=new.amount)
+            amount=new.amount, details=new.details)
     series = invoice_series(kind=InvoiceKind.INVOICE, at=now)
     invoice.number = f"{series}-{invoice_numbers_reserve(series=series, count=1):06d}"
     invoice.tax_rate = org.tax_rate

@@ -37,16 +37,15 @@ from billing_platform.invoicing.models import (
     InvoiceLine,
     PendingInvoiceItem,
 )
-from billing_platform.invoicing.money import ZERO
 from billing_platform.invoicing.selectors import periods_due
 from billing_platform.invoicing.services.invoices import (
+    draft_credits_apply,
     invoice_finalized_state,
     invoice_numbers_reserve,
     invoice_series,
 )
 from billing_platform.invoicing.services.payments import invoice_charges_enqueue
 from plans.models import CreditGrant
-from plans.services import credit_grants_apply
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +75,8 @@ def _apply_credits(drafts: dict[int, DraftInvoice], *, now: datetime) -> None:
         draft = drafts[org_id]
         if draft.total <= 0:
             continue
-        applications = credit_grants_apply(
-            organization=Organization(pk=org_id), currency=draft.currency, amount=draft.total,
-            reference=_credit_reference(draft.target), at=now)
-        draft.add_credit(sum((a.amount for a in applications), ZERO))
+        draft_credits_apply(draft, organization=Organization(pk=org_id),
+                            reference=_credit_reference(draft.target), now=now)
 
 
 def _persist(drafts: list[DraftInvoice], *, now: datetime, acting_user: Any) -> list[Invoice]:
