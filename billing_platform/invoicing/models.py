@@ -132,6 +132,17 @@ class Invoice(models.Model):
         indexes = [
             models.Index(fields=["organization", "period_start"]),
             models.Index(fields=["status", "next_payment_attempt_at"]),
+            # finance's reports across organizations (invoicing.reports): unpaid invoices by
+            # due date (receivables), billed documents by finalization (DSO) and by period
+            # (revenue of a range), each org's newest finalized invoice (accrued late usage)
+            models.Index(fields=["due_at"], name="invoice_unpaid_due",
+                         condition=Q(status__in=["open", "uncollectible"])),
+            models.Index(fields=["finalized_at"], name="invoice_billed_finalized",
+                         condition=Q(status__in=["open", "paid", "uncollectible"])),
+            models.Index(fields=["period_start"], name="invoice_billed_period",
+                         condition=Q(status__in=["open", "paid", "uncollectible"])),
+            models.Index(fields=["organization", "-period_end"], name="invoice_org_last_final",
+                         condition=Q(kind="invoice") & ~Q(status="draft")),
         ]
         constraints = [
             models.UniqueConstraint(fields=["organization", "period_start"],

@@ -243,11 +243,12 @@ def unbilled_usage(*, org_ids: Sequence[int] | None = None, unit: str = "month",
 INGEST_TXN_MARGIN = timedelta(hours=1)
 _HOUR = timedelta(hours=1)
 
+# (index invoice_org_last_final: each org's newest finalized invoice first, no sort)
 _LAST_CLOSED_SQL = """
 SELECT DISTINCT ON (i.organization_id) i.organization_id, i.period_start, i.period_end,
        i.currency, LEAST(i.created_at, COALESCE(i.finalized_at, i.created_at))
   FROM invoicing_invoice i
- WHERE i.organization_id = ANY(%s) AND i.kind = 'invoice' AND i.status <> 'draft'
+ WHERE i.kind = 'invoice' AND i.status <> 'draft'{where}
  ORDER BY i.organization_id, i.period_end DESC
 """
 
@@ -268,10 +269,16 @@ def _late_candidates(targets: Sequence[Target]) -> list[tuple[int, datetime, dat
     periods found are then compared with the ledger by the builder's own ``late_usage_of``.
     """
     last = {}
+    wanted = {t.org_id for t in targets}
+    # every organization: read them all in index order rather than probe 10,000 ids
+    every = len(wanted) > 1000
     with connection.cursor() as cur:
-        cur.execute(_LAST_CLOSED_SQL, [[t.org_id for t in targets]])
+        cur.execute(_LAST_CLOSED_SQL.format(
+            where="" if every else " AND i.organization_id = ANY(%s)"),
+            [] if every else [sorted(wanted)])
         for org, ps, pe, currency, closed in cur:
-            last[org] = (ps, pe, currency, closed - INGEST_TXN_MARGIN)
+            if org in wanted:
+                last[org] = (ps, pe, currency, closed - INGEST_TXN_MARGIN)
     if not last:
         return []
     found = {(org, ps, pe, currency) for org in usage_recorded_after(windows=[
@@ -388,17 +395,16 @@ def _receivable_where(f: ReceivableFilter, params: dict[str, Any]) -> tuple[str,
 
 
 def receivable_invoices(*, receivable_filter: ReceivableFilter, limit: int, offset: int = 0
-                        ) -> tuple[int, list[ReceivableInvoice]]:
-    """Return (how many match, one page of them): most days past due first, then largest."""
+                        ) -> list[ReceivableInvoice]:
+    """Return one page of the unpaid invoices: most days past due first, then largest (how
+    many match is the sum of ``receivable_sums``' counts)."""
     params: dict[str, Any] = {"limit": limit, "offset": offset}
     inner, outer = _receivable_where(receivable_filter, params)
     base = _RECEIVABLE_SQL.format(where=inner) + outer
-    with connection.cursor() as cur:
-        cur.execute(f"SELECT count(*) FROM ({base}) n", params)  # noqa: S608
-        count: int = cur.fetchone()[0]
+    with _report_cursor() as cur:
         cur.execute(f"{base} ORDER BY r.days_past_due DESC NULLS LAST, r.amount_due DESC, "
                     "r.id LIMIT %(limit)s OFFSET %(offset)s", params)
-        return count, [ReceivableInvoice._make(row) for row in cur]
+        return [ReceivableInvoice._make(row) for row in cur]
 
 
 class ReceivableSums(NamedTuple):
@@ -418,7 +424,7 @@ def receivable_sums(*, receivable_filter: ReceivableFilter) -> list[ReceivableSu
     params: dict[str, Any] = {}
     inner, outer = _receivable_where(receivable_filter, params)
     base = _RECEIVABLE_SQL.format(where=inner) + outer
-    with connection.cursor() as cur:
+    with _report_cursor() as cur:
         cur.execute(f"SELECT r.currency, r.status, r.bucket, r.stage, count(*), "  # noqa: S608
                     f"SUM(r.amount_due) FROM ({base}) r GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4",
                     params)

@@ -100,8 +100,10 @@ def receivables_report(*, report_filter: ReceivablesFilter, limit: int = 100,
     rf = invoicing_reports.ReceivableFilter(
         as_of=f.as_of, issued_from=f.issued_from, issued_to=f.issued_to, currency=f.currency,
         org_id=f.org_id, bucket=f.bucket, stage=f.stage)
-    count, page = invoicing_reports.receivable_invoices(receivable_filter=rf, limit=limit,
-                                                        offset=offset)
+    page = invoicing_reports.receivable_invoices(receivable_filter=rf, limit=limit,
+                                                 offset=offset)
+    sums_rows = invoicing_reports.receivable_sums(receivable_filter=rf)
+    count = sum(s.invoices for s in sums_rows)
     labels = org_labels({r.org_id for r in page})
     rows = [ReceivableRow(
         invoice=r.public_id, number=r.number, organization=labels[r.org_id][0],
@@ -113,7 +115,7 @@ def receivables_report(*, report_filter: ReceivablesFilter, limit: int = 100,
         dunning_paused_at=r.dunning_paused_at, written_off_at=r.written_off_at)
         for r in page]
     sums: dict[str, dict[str, Any]] = {}
-    for s in invoicing_reports.receivable_sums(receivable_filter=rf):
+    for s in sums_rows:
         acc = sums.setdefault(s.currency, defaultdict(lambda: ZERO, stages=defaultdict(int)))
         acc["stages"][s.stage] += s.invoices
         if s.status == "uncollectible":
