@@ -41,7 +41,9 @@ SLOW = {"prefill_tokens_per_s": 20_000, "decode_tokens_per_s": 100, "max_running
 @pytest.fixture
 def sims():
     started = {"small-a": start_sim(served_model_name=MODEL, **SLOW),
-               "small-b": start_sim(served_model_name=MODEL, **SLOW)}
+               "small-b": start_sim(served_model_name=MODEL, **SLOW),
+               # up and scraped, but serving a model nobody asks for: idle throughout
+               "spare": start_sim(served_model_name="spare-model", **SLOW)}
     yield started
     for sim in started.values():
         sim.stop()
@@ -76,8 +78,8 @@ def test_engine_gpu_time_goes_to_requests_and_idle_exactly_and_a_rerun_changes_n
         transactional_db, tmp_path, settings, metering_stream, sims, celery_worker_process):
     settings.METERING_COST_INTERVAL_S = 1
     with engine_stack(tmp_path, metering_stream, model=MODEL, engines={
-            "small-a": (sims["small-a"], 2, "3.60"), "small-b": (sims["small-b"], 1, "2.00")}
-            ) as stack:
+            "small-a": (sims["small-a"], 2, "3.60"), "small-b": (sims["small-b"], 1, "2.00"),
+            "spare": (sims["spare"], 1, "2.00")}) as stack:
         # given engines scraped before and after two waves of concurrent requests of 1-2 s
         started = scrape()
         ids = stack.chat_at_once([120, 150, 180, 120])
@@ -105,10 +107,17 @@ def test_engine_gpu_time_goes_to_requests_and_idle_exactly_and_a_rerun_changes_n
     by_engine = defaultdict(list)
     for iv in intervals:
         by_engine[iv.engine].append(iv)
+    pools = {p.pool: p for p in usage_pool_capacity(start=started - timedelta(seconds=2),
+                                                   end=ended + timedelta(seconds=2))}
     assert {iv.gpus for iv in by_engine["small-a-0"]} == {2}
     seconds = {iv.start for iv in by_engine["small-a-0"]}
     assert len(seconds) >= (ended - started).total_seconds() - 1  # every second it was up
-    assert any(iv.idle_us == iv.capacity_us for iv in intervals)  # idle between the waves
+    # an engine that was up and served nothing: all of its GPU time is idle capacity
+    spare = by_engine["spare-0"]
+    assert len(spare) >= (ended - started).total_seconds() - 1
+    assert all(iv.idle_us == iv.capacity_us and iv.idle_cost == iv.capacity_cost
+               for iv in spare)
+    assert pools["spare"].idle_cost == pools["spare"].capacity_cost > 0
     # weighed by the engine's own measured throughput, not a default
     busy = [iv for iv in intervals if iv.attributed_us]
     assert busy and all(iv.throughput_source == ThroughputSource.MEASURED for iv in busy)
@@ -121,8 +130,6 @@ def test_engine_gpu_time_goes_to_requests_and_idle_exactly_and_a_rerun_changes_n
     costs_by_event = usage_event_costs(event_ids=[e.id for e in events])
     assert all(c.gpu_seconds > 0 and c.cost > 0 for c in costs_by_event.values())
     assert_rollups_hold_the_shares(events[0].organization_id)
-    pools = {p.pool: p for p in usage_pool_capacity(start=started - timedelta(seconds=2),
-                                                   end=ended + timedelta(seconds=2))}
     for pool in pools.values():
         assert pool.attributed_gpu_seconds + pool.idle_gpu_seconds == pool.capacity_gpu_seconds
         assert pool.attributed_cost + pool.idle_cost == pool.capacity_cost
