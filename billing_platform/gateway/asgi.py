@@ -152,3 +152,4 @@ class GatewayASGI:
                     log.info("%s %s: the client read nothing for %g s; connection dropped",
                              request.method, request.path, settings.GATEWAY_SEND_TIMEOUT_S)
                     _drop_connection(send)
+                    await asyncio.sleep(0)  # uvicorn sees the connection lost before we return
