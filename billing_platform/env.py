@@ -124,6 +124,14 @@ WEB_PORT: int = env.int("TOLLGATE_PORT", default=8000)
 STRIPE_API_BASE: str = env.str("STRIPE_API_BASE", default="https://api.stripe.com")
 INVOICING_DUNNING_DAYS: list[int] = [
     int(d) for d in env.list("TOLLGATE_DUNNING_DAYS", default=["1", "3", "7"])]
+# The seller printed on every invoice: the operator's legal name, postal address (lines
+# separated by ";"), tax id (VAT number) and the email customers write to about invoices.
+SELLER_NAME: str = env.str("TOLLGATE_SELLER_NAME", default="Tollgate")
+SELLER_ADDRESS: list[str] = [
+    line.strip() for line in env.str("TOLLGATE_SELLER_ADDRESS", default="").split(";")
+    if line.strip()]
+SELLER_TAX_ID: str = env.str("TOLLGATE_SELLER_TAX_ID", default="")
+SELLER_EMAIL: str = env.str("TOLLGATE_SELLER_EMAIL", default="")
 
 # Batch API: where uploaded and generated files live (object storage later).
 FILES_DIR: str = env.str("TOLLGATE_FILES_DIR", default=str(STATE_DIR / "files"))

@@ -244,6 +244,10 @@ INVOICING_NET_DAYS = 14             # due date of an invoice left for manual pay
 INVOICING_LATE_LOOKBACK_DAYS = 62   # periods starting this far back are rescanned for late usage
 INVOICING_CLOSE_CHUNK = 500         # organizations closed per transaction
 INVOICING_CLOSE_WORKERS = 2         # chunks closed at once, each on its own connection
+SELLER_NAME = E.SELLER_NAME          # the seller on invoices (TOLLGATE_SELLER_*)
+SELLER_ADDRESS = E.SELLER_ADDRESS
+SELLER_TAX_ID = E.SELLER_TAX_ID
+SELLER_EMAIL = E.SELLER_EMAIL
 
 # Warehouse export (billing_platform/finance/exports.py; the beat period is in celery.py).
 FINANCE_EXPORT_DIR = E.FINANCE_EXPORT_DIR

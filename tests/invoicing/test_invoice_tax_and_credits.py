@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from decimal import Decimal
 
-from billing_platform.invoicing import selectors, services
+from billing_platform.invoicing import rendering, selectors, services
 from billing_platform.invoicing.choices import LineKind
 from billing_platform.invoicing.models import Invoice
 from plans import services as plan_services
@@ -49,6 +49,10 @@ def test_discount_credit_before_tax_and_a_credit_balance_after_it(catalog):
     # the preview said the same before the close
     assert (preview.subtotal, preview.tax, preview.credits_applied, preview.total) == (
         D("100.00"), D("18.00"), D("40.00"), D("78.00"))
+    # and the document says which credit is which side of tax
+    doc = rendering.document_of(invoice, org)
+    assert (doc.credits_before_tax, doc.tax_label, doc.tax, doc.credits_after_tax) == (
+        "10.00", "Tax 20 % on 90.00", "18.00", "30.00")
 
 
 def test_a_credit_balance_larger_than_the_invoice_pays_it_in_full_and_keeps_the_rest(catalog):
