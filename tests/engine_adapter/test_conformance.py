@@ -17,7 +17,7 @@ from django.core.management import call_command
 
 from engine_adapter import services
 from engine_adapter.choices import EngineStatus
-from engine_adapter.metrics import parse_engine_load
+from engine_adapter.metrics import parse_engine_counters, parse_engine_load
 from engine_adapter.models import EngineInstance
 from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
 from engine_adapter.sim.testing import FAST_RATES, free_port, start_sim
@@ -113,6 +113,31 @@ def test_metrics_the_router_reads_are_exported(engines, kind):
     load = parse_engine_load(text)
     assert {"running", "queued", "token_usage"} <= load.keys()
     assert "sglang:num_requests_total" in text or "sglang:prompt_tokens_total" in text
+
+
+@pytest.mark.parametrize("kind", ["sglang", "sim"])
+def test_usage_counters_move_by_what_the_finished_requests_reported(engines, kind):
+    # Reconciliation sets these counters against the metered usage: both engines must count
+    # each finished request once, with the tokens its answer reported, and health probes not.
+    url = engines[kind]
+    before = parse_engine_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+    usages = [_chat(url, f"count me {i}", max_tokens=3 + i, ignore_eos=True)["usage"]
+              for i in range(2)]
+    usages.append(_stream(url, "count me too", include_usage=True)[-1]["usage"])
+    httpx.get(f"{url}/health_generate", timeout=60).raise_for_status()
+    after = parse_engine_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+
+    assert before is not None and after is not None
+    assert after.requests - before.requests == 3
+    assert after.prompt_tokens - before.prompt_tokens == sum(u["prompt_tokens"] for u in usages)
+    assert after.generation_tokens - before.generation_tokens == sum(
+        u["completion_tokens"] for u in usages)
+    assert after.cached_tokens - before.cached_tokens == sum(
+        (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages)
+    # and both measured what cost-to-serve weighs requests by
+    assert after.prefill_seconds > before.prefill_seconds
+    assert after.uncached_prompt_tokens > before.uncached_prompt_tokens
+    assert after.tpot_requests > before.tpot_requests and after.tpot_seconds > 0
 
 
 @pytest.mark.django_db(transaction=True)
