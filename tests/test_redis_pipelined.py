@@ -15,6 +15,7 @@ import redis.exceptions
 
 from billing_platform.embedded import EmbeddedRedis, free_port
 from billing_platform.redis_conn import PipelinedConnection
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -98,7 +99,9 @@ def test_a_dead_server_fails_the_commands_in_flight_and_the_next_command_reconne
         await conn.execute("SET", "before", "1")
         # a command that is in flight when the server dies
         blocked = asyncio.ensure_future(conn.execute("BLPOP", "nothing", 0))
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(
+            wait_until, lambda: _sync(server, 0).info("clients")["blocked_clients"] == 1,
+            timeout=30, what="the server to hold the BLPOP")
         await asyncio.to_thread(server.kill)
         failure = await asyncio.gather(blocked, return_exceptions=True)
         while_down = await asyncio.gather(conn.execute("PING"), return_exceptions=True)

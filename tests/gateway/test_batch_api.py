@@ -281,6 +281,18 @@ def _start_under_a_worker(stack: BatchStack, celery_worker_process, *, lines: in
     return client, batch
 
 
+def runner_kept_looking(batch_id: str, beats: int = 4) -> None:
+    """Wait until the batch's runner has heartbeated ``beats`` more times: each heartbeat is
+    one more second of its loop, which probes the engines' (and host's) room every 0.2 s."""
+    seen: set = set()
+
+    def looked() -> bool:
+        seen.add(Batch.objects.get(public_id=batch_id).heartbeat_at)
+        return len(seen) > beats
+
+    wait_until(looked, timeout=60, what=f"{beats} heartbeats of the runner of {batch_id}")
+
+
 def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         transactional_db, tmp_path, settings, metering_stream, celery_worker_process):
     import threading
@@ -305,12 +317,11 @@ def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20)
 
         # when the worker has been looking for capacity for a while
-        time.sleep(3)
+        runner_kept_looking(batch.id)
         # then no line was ever claimed, so none reached an engine
         lines = BatchLine.objects.filter(batch__public_id=batch.id)
         assert lines.count() == 20
         assert not lines.filter(attempts__gt=0).exists()
-        assert Batch.objects.get(public_id=batch.id).heartbeat_at is not None
 
         # when interactive traffic stops, the batch runs to the end
         stop.set()
@@ -333,11 +344,8 @@ def test_a_host_with_busy_cpus_gets_no_batch_line_until_they_are_free(
     try:
         client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20,
                                               TOLLGATE_BATCH_HOST_CPU_CEILING="0.75")
-        wait_until(lambda: Batch.objects.get(public_id=batch.id).heartbeat_at, timeout=30,
-                   what="the batch runner to start")
-
         # when the runner has been looking for spare capacity for a while
-        time.sleep(3)
+        runner_kept_looking(batch.id)
         # then it claimed no line: the engines' free slots are not spare while the CPU is not
         assert not BatchLine.objects.filter(batch__public_id=batch.id, attempts__gt=0).exists()
 
