@@ -25,7 +25,7 @@ from billing_platform.accounts.models import (
     Project,
     User,
 )
-from billing_platform.audit.admin import audit_admin_delete
+from billing_platform.audit.admin import AuditedModelAdmin, audit_admin_delete
 
 
 class KeyCacheAwareAdmin(admin.ModelAdmin):
@@ -58,7 +58,9 @@ def _refresh_keys(keys: QuerySet[ApiKey]) -> None:
 
 
 @admin.register(User)
-class UserAdmin(KeyCacheAwareAdmin, BaseUserAdmin):
+class UserAdmin(KeyCacheAwareAdmin, AuditedModelAdmin, BaseUserAdmin):
+    """Users; a change of who is staff, superuser or active is an audit row like any other."""
+
     ordering = ["email"]
     list_display = ["email", "is_staff", "is_active", "date_joined"]
     search_fields = ["email"]

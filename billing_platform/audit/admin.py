@@ -10,7 +10,12 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 from billing_platform.audit.models import AuditEvent
-from billing_platform.audit.services import audit_record, audit_snapshot, is_secret_field
+from billing_platform.audit.services import (
+    audit_plain,
+    audit_record,
+    audit_snapshot,
+    is_secret_field,
+)
 
 
 @admin.register(AuditEvent)
@@ -58,8 +63,8 @@ class AuditedModelAdmin(admin.ModelAdmin):
         audit_record(
             acting_user=request.user, organization=getattr(obj, "organization_id", None),
             action=_action(obj, "change" if change else "add"), target=_target(obj),
-            before={f: _plain(form.initial.get(f)) for f in changed} if change else None,
-            after={f: _plain(form.cleaned_data.get(f)) for f in changed})
+            before={f: audit_plain(form.initial.get(f)) for f in changed} if change else None,
+            after={f: audit_plain(form.cleaned_data.get(f)) for f in changed})
 
     def delete_model(self, request: HttpRequest, obj: Any) -> None:
         audit_admin_delete(request, [obj])
@@ -81,13 +86,3 @@ class AuditedModelAdmin(admin.ModelAdmin):
                          action=_action(obj, verb), target=_target(parent),
                          after=None if verb == "delete" else audit_snapshot(obj))
 
-
-def _plain(value: Any) -> Any:
-    """Model instances in cleaned_data become their pk, querysets lists of pks."""
-    if hasattr(value, "_meta"):
-        return value.pk
-    if hasattr(value, "values_list"):
-        return list(value.values_list("pk", flat=True))
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value

@@ -22,7 +22,7 @@ from billing_platform.audit.models import AuditEvent
 
 def is_secret_field(name: str) -> bool:
     """True for fields an audit row never holds: secrets and digests of secrets."""
-    return "secret" in name or name == "password" or name.endswith(("_hash", "_token"))
+    return "secret" in name or name.startswith("password") or name.endswith(("_hash", "_token"))
 
 
 def _actor(acting_user: Any) -> dict[str, Any]:
@@ -81,5 +81,17 @@ def audit_snapshot(instance: models.Model, fields: tuple[str, ...] | None = None
 
     Secrets and their digests (key hashes, passwords, webhook secrets, tokens) are left out.
     """
-    return {k: v for k, v in model_to_dict(instance, fields=fields).items()
+    return {k: audit_plain(v) for k, v in model_to_dict(instance, fields=fields).items()
             if not is_secret_field(k)}
+
+
+def audit_plain(value: Any) -> Any:
+    """Return a value as an audit row holds it: model instances as their pk, querysets and
+    many-to-many values as lists of pks."""
+    if hasattr(value, "_meta"):
+        return value.pk
+    if hasattr(value, "values_list"):
+        return list(value.values_list("pk", flat=True))
+    if isinstance(value, list | tuple):
+        return [audit_plain(v) for v in value]
+    return value

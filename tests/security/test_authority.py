@@ -9,6 +9,7 @@ so "even when cached" means the gateway's own Redis cache entry).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
@@ -333,6 +334,34 @@ def test_deactivating_or_deleting_a_user_in_django_admin_revokes_their_keys(api_
     for member in (owner, second):
         api_client.credentials(HTTP_AUTHORIZATION=f"Bearer {secrets[member.pk]}")
         assert api_client.get("/api/v1/organizations/").status_code == 401
+
+
+def test_who_is_staff_is_in_the_audit_log_and_no_password_ever_is(client):
+    # given a staff superuser and an ordinary user
+    staff = UserFactory(is_staff=True, is_superuser=True)
+    user, gone = UserFactory(), UserFactory()
+    client.force_login(staff)
+    # when staff make the user staff, add a user with a password, and delete another
+    _admin_save(client, f"/admin/accounts/user/{user.pk}/change/", is_staff="on")
+    passphrase = "a long passphrase 42"
+    r = client.post("/admin/accounts/user/add/", {"email": "new@x.example",
+                                                  "password1": passphrase,
+                                                  "password2": passphrase, "_save": "Save"})
+    assert r.status_code == 302, r.content.decode()[:2000]
+    r = client.post(f"/admin/accounts/user/{gone.pk}/delete/", {"post": "yes"})
+    assert r.status_code == 302
+    # then each is an audit row under the staff member's name
+    promoted = AuditEvent.objects.get(action="admin.user.change", target=str(user.pk))
+    assert promoted.actor_user_id == staff.pk
+    assert (promoted.before, promoted.after) == ({"is_staff": False}, {"is_staff": True})
+    added = AuditEvent.objects.get(action="admin.user.add")
+    assert added.after["email"] == "new@x.example" and added.actor_user_id == staff.pk
+    deleted = AuditEvent.objects.get(action="admin.user.delete", target=str(gone.pk))
+    assert deleted.before["email"] == gone.email
+    # and no row holds a password or its hash
+    for row in AuditEvent.objects.all():
+        text = json.dumps([row.before, row.after], default=str)
+        assert passphrase not in text and "pbkdf2" not in text
 
 
 @contextlib.contextmanager
