@@ -114,7 +114,10 @@ def user_sign_up(*, email: str, password: str, org_name: str) -> tuple[User, Org
 
 
 ORG_FIELDS = ("name", "billing_email", "data_zone", "tax_rate", "currency", "status",
-              "max_concurrent_requests", "max_stored_files", "max_stored_bytes")
+              "max_concurrent_requests", "max_stored_files", "max_stored_bytes",
+              # the rest of the billing profile (customers set it through billing_profile)
+              "legal_name", "address_line1", "address_line2", "postal_code", "city", "region",
+              "country", "tax_id")
 
 
 def organization_state(organization: Organization) -> dict[str, Any]:
