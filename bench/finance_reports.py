@@ -16,8 +16,11 @@ warm-up run each. Prints one JSON line: ``revenue_p50_ms``, ``revenue_p99_ms``,
 ``receivables_p50_ms``, ``receivables_p99_ms``, and what was measured (orgs, rollup rows,
 invoices, lines, unpaid invoices, report rows, a reconciliation check: the revenue report's
 billed totals equal the invoices' totals per month and currency), the time of the revenue
-report's billed and accrued halves once each, the load average when it ended, plus
-``setup_seconds``. ``--keep`` then ``--reuse`` times the reports again without rebuilding.
+report's billed and accrued halves once each (the billed half off the ``BilledRevenue``
+summary; ``revenue_billed_from_lines_once_ms`` the same sums off every line, and
+``billed_summary_equals_lines`` whether the two agree row for row), the load average when it
+ended, plus ``setup_seconds``. ``--keep`` then ``--reuse`` times the reports again without
+rebuilding.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tollgate_bench_finance \\
         .venv/bin/python bench/finance_reports.py --orgs 10000
@@ -273,6 +276,15 @@ def main() -> None:
         out[f"{name}_p50_ms"] = round(statistics.median(values), 1)
         out[f"{name}_p99_ms"] = round(percentile(values, 0.99), 1)
     out.update({k: round(v[0], 1) for k, v in list(timings.items())[2:]})
+    # the billed half reads the summary invoicing keeps; it equals the lines summed, row for row
+    line_filter = invoicing_reports.LineFilter(start=first, end=end)
+    summed = getattr(invoicing_reports, "billed_lines_summed", None)
+    if summed is not None:
+        t = time.perf_counter()
+        from_lines = sorted(summed(line_filter=line_filter))
+        out["revenue_billed_from_lines_once_ms"] = round((time.perf_counter() - t) * 1000, 1)
+        out["billed_summary_equals_lines"] = sorted(
+            invoicing_reports.billed_lines(line_filter=line_filter)) == from_lines
     out["load_average"] = os.getloadavg()[0]
     out.update({"orgs": args.orgs, "months": MONTHS, "rollup_rows": rows, **counts(),
                 "revenue_rows": len(results["revenue"].rows),

@@ -21,6 +21,9 @@ however made, from ``charge.refunded``), ``amount_disputed`` (open ``Dispute``s)
 ``BilledUsage`` records, per invoice, the exact usage sums it billed for each source period and
 dimension. Late events are whatever the rollups hold for a closed period beyond what was
 billed for it; the next invoice bills the difference as "late usage from <period>".
+
+``BilledRevenue`` is billed revenue summed across organizations (finance's revenue report),
+written by a database trigger in the transaction that finalizes or voids.
 """
 
 from __future__ import annotations
@@ -232,6 +235,40 @@ class BilledUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} {self.source_period_start:%Y-%m}: {self.amount}"
+
+
+class BilledRevenue(models.Model):
+    """Billed revenue summed across organizations, per billing period start x currency x line
+    kind x dimensions: what finance's revenue report reads instead of every invoice line.
+
+    Written only by the database (migration 0008's trigger), in the statement that moves
+    invoices in or out of the billed statuses (``open``, ``paid``, ``uncollectible``): their
+    lines summed, positive when they become billed (finalize, a credit note issued), negative
+    when they stop being billed (a void). A finalized invoice's lines, period, currency and
+    kind never change (0002, 0005), so the summary is append-only and cannot drift; its sums
+    per key are what ``invoicing.reports.billed_lines`` reads off the lines (``lines`` counts
+    them, so a key only voided invoices had is no row). ``kind`` is ``credit_note`` for every
+    line of a credit note; ``plan_code`` the plan a plan-fee line charges.
+    """
+
+    period_start = models.DateTimeField()
+    currency = models.CharField(max_length=3)
+    kind = models.CharField(max_length=20)
+    capacity_source = models.CharField(max_length=16)
+    plan_code = models.TextField()
+    model = models.CharField(max_length=200)
+    region = models.CharField(max_length=64)
+    service_tier = models.CharField(max_length=16)
+    token_class = models.CharField(max_length=16)
+    lines = models.BigIntegerField()
+    amount = _money()
+    tokens = models.DecimalField(max_digits=30, decimal_places=6)
+
+    class Meta:
+        indexes = [models.Index(fields=["period_start"], name="billed_revenue_period")]
+
+    def __str__(self) -> str:
+        return f"{self.period_start:%Y-%m} {self.kind} {self.model}: {self.amount}"
 
 
 class PaymentAttempt(models.Model):

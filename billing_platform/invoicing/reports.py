@@ -14,6 +14,13 @@ HTTP, CSV or organizations' names. What counts, once for every report:
   yet (the builder's own rule, so the report and the next invoice cannot disagree).
 - **Receivable**: what finalized invoices still owe (``amount_due``), aged by days past
   ``due_at``.
+
+Billed revenue across organizations is read off ``BilledRevenue``, the summary the database
+writes as invoices are finalized and voided (``billed_lines``); ``billed_lines_summed`` is the
+same sums off the lines themselves, the definition the summary is tested against.
+
+Length: every report's query on invoicing's tables is here (STYLE.md: each app owns its
+tables), one section per report; split it by report when another one joins.
 """
 
 from __future__ import annotations
@@ -97,16 +104,17 @@ class BilledLines(NamedTuple):
     tokens: Decimal
 
 
-def _where(f: LineFilter, params: dict[str, Any]) -> str:
-    """Return the optional conditions of ``f`` (bound in ``params``)."""
+def _where(f: LineFilter, params: dict[str, Any], invoice: str = "i", line: str = "l") -> str:
+    """Return the optional conditions of ``f`` (bound in ``params``) on the tables aliased
+    ``invoice`` and ``line``."""
     conditions = []
-    for column, value in (("i.currency", f.currency), ("i.organization_id", f.org_id),
-                          ("l.model", f.model), ("l.region", f.region),
-                          ("l.service_tier", f.service_tier), ("l.token_class", f.token_class)):
+    for table, column, value in (
+            (invoice, "currency", f.currency), (invoice, "organization_id", f.org_id),
+            (line, "model", f.model), (line, "region", f.region),
+            (line, "service_tier", f.service_tier), (line, "token_class", f.token_class)):
         if value is not None:
-            name = column.replace(".", "_")
-            params[name] = value
-            conditions.append(f" AND {column} = %({name})s")
+            params[column] = value
+            conditions.append(f" AND {table}.{column} = %({column})s")
     return "".join(conditions)
 
 
@@ -125,20 +133,49 @@ SELECT date_trunc(%(unit)s, i.period_start, 'UTC'), i.currency,
 """
 
 
+# The same sums off ``BilledRevenue``, which the database keeps per billing period start and
+# key as invoices are finalized and voided (migration 0008): a few rows per period instead of
+# every line. ``lines`` counts the billed lines of a key, so a key only voided invoices had
+# is no row, as it is none of the lines'.
+_SUMMARY_SQL = """
+SELECT date_trunc(%(unit)s, s.period_start, 'UTC'), s.currency, s.kind, s.capacity_source,
+       s.plan_code, s.model, s.region, s.service_tier, s.token_class, SUM(s.amount),
+       SUM(s.tokens)
+  FROM invoicing_billedrevenue s
+ WHERE s.period_start >= %(start)s AND s.period_start < %(end)s{where}
+ GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9
+HAVING SUM(s.lines) > 0
+"""
+
+
 def billed_lines(*, line_filter: LineFilter, unit: str = "month") -> list[BilledLines]:
     """Return the billed lines' sums per ``unit`` bucket of the period start and dimensions.
 
     Per bucket and currency the amounts add up to the billed documents' totals to the cent
     (an invoice's total is the sum of its lines, tax and credits applied included). One
-    query; rows in no particular order (a sort of every line by nine text columns cost more
-    than the rest of the query).
+    query, off the ``BilledRevenue`` summary (equal to ``billed_lines_summed``'s sums of the
+    lines themselves), or off the lines for one organization (the summary is across
+    organizations); rows in no particular order.
     """
+    if line_filter.org_id is not None:
+        return billed_lines_summed(line_filter=line_filter, unit=unit)
+    return _billed(_SUMMARY_SQL, line_filter, unit, invoice="s", line="s")
+
+
+def billed_lines_summed(*, line_filter: LineFilter, unit: str = "month") -> list[BilledLines]:
+    """Return what ``billed_lines`` does, summed off every billed invoice line (the
+    definition the summary keeps; a sort of every line by nine text columns would cost more
+    than the rest of the query, so rows come in no particular order)."""
+    return _billed(_BILLED_SQL, line_filter, unit, invoice="i", line="l")
+
+
+def _billed(sql: str, f: LineFilter, unit: str, *, invoice: str, line: str
+            ) -> list[BilledLines]:
     if unit not in BUCKET_UNITS:
         raise ValueError(f"unit must be one of {sorted(BUCKET_UNITS)}")
-    params: dict[str, Any] = {"unit": unit, "start": line_filter.start, "end": line_filter.end}
-    sql = _BILLED_SQL.format(where=_where(line_filter, params))
+    params: dict[str, Any] = {"unit": unit, "start": f.start, "end": f.end}
     with _report_cursor() as cur:
-        cur.execute(sql, params)
+        cur.execute(sql.format(where=_where(f, params, invoice, line)), params)
         return [BilledLines._make(row) for row in cur]
 
 
@@ -449,6 +486,65 @@ def billed_between(*, start: datetime, end: datetime, currency: str | None = Non
     with connection.cursor() as cur:
         cur.execute(_BILLED_BETWEEN_SQL.format(where=where), params)
         return dict(cur.fetchall())
+
+
+# What Stripe reported after payment, per currency (the receivables summary's last columns):
+# - refunded: ``amount_refunded`` (every refund Stripe reported by ``charge.refunded``) of the
+#   billed invoices finalized in [start, end), the documents ``billed_between`` sums;
+# - refunds_pending: per charge, what its credit-note ``Refund``s (not failed) created by
+#   ``end`` send back beyond what Stripe's ``charge.refunded`` reported of that charge yet;
+# - disputed: the amount of disputes open at ``end`` (opened by then, not closed by then);
+# - charged_back: the amount of disputes lost (closed ``lost``) in [start, end).
+_AFTER_PAYMENT_SQL = """
+SELECT m.currency, SUM(m.refunded), SUM(m.pending), SUM(m.disputed), SUM(m.charged_back)
+  FROM (
+    SELECT i.currency, i.amount_refunded AS refunded, 0 AS pending, 0 AS disputed,
+           0 AS charged_back
+      FROM invoicing_invoice i
+     WHERE i.status IN ('open', 'paid', 'uncollectible') AND i.amount_refunded > 0
+       AND i.finalized_at >= %(start)s AND i.finalized_at < %(end)s{where}
+    UNION ALL
+    SELECT i.currency, 0, GREATEST(SUM(r.amount) - MAX(p.amount_refunded), 0), 0, 0
+      FROM invoicing_refund r
+      JOIN invoicing_paymentattempt p ON p.id = r.payment_id
+      JOIN invoicing_invoice i ON i.id = r.invoice_id
+     WHERE r.status <> 'failed' AND r.created_at <= %(end)s{where}
+     GROUP BY i.currency, p.id
+    UNION ALL
+    SELECT i.currency, 0, 0,
+           CASE WHEN d.closed_at IS NULL OR d.closed_at > %(end)s THEN d.amount ELSE 0 END,
+           CASE WHEN d.status = 'lost' AND d.closed_at >= %(start)s
+                 AND d.closed_at < %(end)s THEN d.amount ELSE 0 END
+      FROM invoicing_dispute d
+      JOIN invoicing_invoice i ON i.id = d.invoice_id
+     WHERE d.opened_at <= %(end)s{where}
+  ) m
+ GROUP BY 1
+ ORDER BY 1
+"""
+
+
+class AfterPayment(NamedTuple):
+    """One currency's money Stripe moved back after payment (see ``_AFTER_PAYMENT_SQL``)."""
+
+    currency: str
+    refunded: Decimal
+    refunds_pending: Decimal
+    disputed: Decimal
+    charged_back: Decimal
+
+
+def receivable_after_payment(*, start: datetime, end: datetime, currency: str | None = None,
+                             org_id: int | None = None) -> list[AfterPayment]:
+    """Return, per currency with any, what Stripe refunded, what credit-note refunds still
+    wait for Stripe's report, what is disputed at ``end`` and what disputes lost in [start,
+    end) took back (each defined at ``_AFTER_PAYMENT_SQL``). One query; amounts are the
+    documents' (already rounded to the currency)."""
+    params: dict[str, Any] = {"start": start, "end": end}
+    where = _where(LineFilter(start, end, currency, org_id), params)
+    with connection.cursor() as cur:
+        cur.execute(_AFTER_PAYMENT_SQL.format(where=where), params)
+        return [AfterPayment._make(row) for row in cur]
 
 
 # --- customers -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ the invoicing suite's autouse fixture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 
@@ -19,9 +19,11 @@ import pytest
 from django.db.models import Sum
 
 from billing_platform.finance import reports
+from billing_platform.invoicing import reports as invoicing_reports
 from billing_platform.invoicing import services
 from billing_platform.invoicing.choices import InvoiceStatus
-from billing_platform.invoicing.models import Invoice
+from billing_platform.invoicing.models import BilledRevenue, Invoice
+from billing_platform.invoicing.reports import LineFilter
 from metering.models import UsageEvent
 from plans import services as plan_services
 from tests.factories import make_billed_org, make_price_book
@@ -150,6 +152,26 @@ def test_accrued_revenue_is_the_rated_usage_no_invoice_billed_yet(ledger):
                     ("EUR", "input"): (D("0.01"), 10_001)}
     # and nothing of October is accrued any more (it was invoiced)
     assert all(t.accrued == 0 for t in report.totals if t.period == date(2026, 10, 1))
+
+
+def test_the_billed_revenue_summary_equals_the_invoice_lines_summed(ledger):
+    # what the database keeps as invoices are finalized, noted and voided is what their lines
+    # sum to, per unit and under each filter (the report reads the summary)
+    year = datetime(OCT.year, 1, 1, tzinfo=OCT.tzinfo)
+    everything = LineFilter(start=year, end=year.replace(year=year.year + 1))
+    for line_filter in (everything, replace(everything, currency="EUR"),
+                        replace(everything, model="m-small", token_class="input"),
+                        replace(everything, start=NOV), replace(everything, org_id=ledger.a.id)):
+        for unit in ("month", "quarter", "year"):
+            summed = sorted(invoicing_reports.billed_lines_summed(line_filter=line_filter,
+                                                                  unit=unit))
+            assert sorted(invoicing_reports.billed_lines(line_filter=line_filter,
+                                                         unit=unit)) == summed
+    assert any(ln.kind == "credit_note" for ln in invoicing_reports.billed_lines(
+        line_filter=everything))
+    # Gamma's void wrote the negating rows (the summary is append-only)
+    voided = BilledRevenue.objects.filter(lines__lt=0)
+    assert voided.aggregate(s=Sum("amount"))["s"] == -ledger.invoices["Gamma"].total
 
 
 def test_revenue_filters_narrow_rows_and_totals(ledger):
