@@ -568,3 +568,125 @@ def usage_engine_capture_latest(*, since: datetime) -> dict[str, Decimal]:
             .order_by("engine", "-hour").distinct("engine").values_list("engine",
                                                                         "capture_rate"))
     return {engine: rate for engine, rate in rows if rate is not None}
+
+
+# --- Margin: rated revenue against cost-to-serve, across organizations (finance's margins) ---
+# The rollups carry both per org x model x region x tier x capacity source; a pool (its
+# engines) and one request need the events with their cost shares.
+
+MARGIN_ROLLUP_DIMS = frozenset({"organization_id", "model", "region", "service_tier",
+                                "capacity_source"})
+
+
+@dataclass(frozen=True)
+class MarginScope:
+    """Usage with event time (rollup hour) in [start, end); optional dimensions."""
+
+    start: datetime
+    end: datetime
+    org_id: int | None = None
+    model: str | None = None
+    service_tier: str | None = None
+    currency: str | None = None
+
+
+@dataclass(frozen=True)
+class MarginSums:
+    """Revenue (rated ``amount``, in ``currency``) and cost-to-serve (USD, reported plus
+    attributed) of one group; ``key``: the grouped values, in the order asked."""
+
+    key: tuple[Any, ...]
+    currency: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    amount: Decimal
+    cost_to_serve: Decimal
+    gpu_seconds: Decimal
+
+
+def usage_margin_sums(*, scope: MarginScope, group_by: tuple[str, ...]) -> list[MarginSums]:
+    """Return revenue and cost-to-serve per group (of ``MARGIN_ROLLUP_DIMS``) and currency,
+    summed from the hourly rollups (whole hours)."""
+    if not set(group_by) <= MARGIN_ROLLUP_DIMS:
+        raise ValueError(f"group_by must be among {sorted(MARGIN_ROLLUP_DIMS)}")
+    qs = UsageRollupHourly.objects.filter(hour__gte=scope.start, hour__lt=scope.end)
+    for name in ("org_id", "model", "service_tier", "currency"):
+        if (value := getattr(scope, name)) is not None:
+            qs = qs.filter(**{"organization_id" if name == "org_id" else name: value})
+    values = [*group_by, "currency"]
+    rows = qs.values(*values).annotate(
+        n=Sum("requests"), p=Sum("prompt_tokens"), c=Sum("cached_tokens"),
+        o=Sum("completion_tokens"), a=Sum("amount"), k=Sum("cost_to_serve"),
+        g=Sum("gpu_seconds")).order_by(*values)
+    return [MarginSums(tuple(r[d] for d in group_by), r["currency"], int(r["n"]), int(r["p"]),
+                       int(r["c"]), int(r["o"]), r["a"], r["k"], r["g"]) for r in rows]
+
+
+# an event's own cost (an external engine's report) plus its attributed shares
+_EVENT_MARGIN_SQL = """
+SELECT {columns}
+  FROM usage_event e
+  LEFT JOIN (SELECT event_id, SUM(gpu_us) AS gpu_us, SUM(cost) AS cost FROM usage_cost_share
+              WHERE event_time >= %(start)s AND event_time < %(end)s GROUP BY event_id) s
+         ON s.event_id = e.id
+ WHERE e.event_time >= %(start)s AND e.event_time < %(end)s
+   AND (%(org)s::bigint IS NULL OR e.organization_id = %(org)s)
+   AND (%(model)s::text IS NULL OR e.model = %(model)s)
+   AND (%(tier)s::text IS NULL OR e.service_tier = %(tier)s)
+   AND (%(currency)s::text IS NULL OR e.currency = %(currency)s)
+ {tail}
+"""
+_EVENT_COST = "e.cost_to_serve + COALESCE(s.cost, 0)"
+
+
+def _event_margin_rows(scope: MarginScope, columns: str, tail: str,
+                       **params: Any) -> list[tuple[Any, ...]]:
+    sql = _EVENT_MARGIN_SQL.format(columns=columns, tail=tail)
+    with connection.cursor() as cur:
+        cur.execute(sql, {"start": scope.start, "end": scope.end, "org": scope.org_id,
+                          "model": scope.model, "tier": scope.service_tier,
+                          "currency": scope.currency, **params})
+        return list(cur.fetchall())
+
+
+def usage_engine_margin_sums(*, scope: MarginScope) -> list[MarginSums]:
+    """Return revenue and cost-to-serve per engine x model (``key``) and currency, from the
+    events and their cost shares (the rollups do not say which engine served)."""
+    rows = _event_margin_rows(scope, f"""e.engine, e.model, e.currency, COUNT(*),
+        SUM(e.prompt_tokens), SUM(e.cached_tokens), SUM(e.completion_tokens), SUM(e.amount),
+        SUM({_EVENT_COST}), COALESCE(SUM(s.gpu_us), 0)""", "GROUP BY 1, 2, 3 ORDER BY 1, 2, 3")
+    return [MarginSums((engine, model), currency, int(n), int(p), int(c), int(o), a, k,
+                       Decimal(g).scaleb(-6))
+            for engine, model, currency, n, p, c, o, a, k, g in rows]
+
+
+class RequestMargin(NamedTuple):
+    """One event's revenue (rated, in ``currency``) and cost-to-serve (USD)."""
+
+    request_id: str
+    organization_id: int
+    event_time: datetime
+    model: str
+    engine: str
+    service_tier: str
+    capacity_source: str
+    currency: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    amount: Decimal
+    cost_to_serve: Decimal
+    gpu_seconds: Decimal
+
+
+def usage_request_margins(*, scope: MarginScope, limit: int) -> list[RequestMargin]:
+    """Return the ``limit`` events of the scope that cost the most to serve, costliest first
+    (ties: oldest first)."""
+    rows = _event_margin_rows(scope, f"""e.request_id, e.organization_id, e.event_time,
+        e.model, e.engine, e.service_tier, e.capacity_source, e.currency, e.prompt_tokens,
+        e.cached_tokens, e.completion_tokens, e.amount, {_EVENT_COST},
+        COALESCE(s.gpu_us, 0)""", f"ORDER BY {_EVENT_COST} DESC, e.event_time, e.id "
+        "LIMIT %(limit)s", limit=limit)
+    return [RequestMargin._make((*row[:-1], Decimal(row[-1]).scaleb(-6))) for row in rows]

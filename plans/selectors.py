@@ -19,6 +19,7 @@ from plans.choices import PlanKind, ReservationTerm
 from plans.models import (
     CreditGrant,
     CreditPackPurchase,
+    ModelPrice,
     Plan,
     PriceBook,
     PriceVersion,
@@ -29,6 +30,7 @@ from plans.models import (
     TokenPlanUsage,
 )
 from plans.periods import add_months, period_bounds
+from plans.pricing import PriceSet
 
 ZERO = Decimal("0")
 
@@ -286,3 +288,15 @@ def credit_movements(*, start: datetime, end: datetime, currency: str | None = N
 def plan_kinds(*, codes: Iterable[str]) -> dict[str, str]:
     """Return the kind (``PlanKind``) of each plan code that exists."""
     return dict(Plan.objects.filter(code__in=set(codes)).values_list("code", "kind"))
+
+
+def list_prices(*, currency: str, models: Iterable[str], at: datetime | None = None
+                ) -> dict[str, PriceSet]:
+    """Return the base per-1M prices (no tier, zone or context-band multiplier) of each
+    model the default book of ``currency`` lists in its version in force at ``at``."""
+    book = PriceBook.objects.filter(currency=currency, is_default=True).first()
+    version = price_version_at(price_book=book, at=at) if book is not None else None
+    if version is None:
+        return {}
+    return {row.model: PriceSet.of(row)
+            for row in ModelPrice.objects.filter(version=version, model__in=set(models))}

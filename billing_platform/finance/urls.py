@@ -5,6 +5,7 @@ from django.urls import URLPattern, URLResolver, path
 
 from billing_platform.finance import apis
 from billing_platform.finance import operations_apis as ops
+from billing_platform.finance.margin_apis import MarginReportApi
 
 INVOICE = "finance/invoices/<str:invoice_id>"
 ORG = "finance/organizations/<str:org_id>"
@@ -15,6 +16,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
          name="finance-receivables"),
     path("finance/credits/", apis.CreditsReportApi.as_view(), name="finance-credits"),
     path("finance/customers/", apis.CustomersReportApi.as_view(), name="finance-customers"),
+    path("finance/margin/", MarginReportApi.as_view(), name="finance-margin"),
     # operations (POST, finance.operate, Idempotency-Key)
     path("finance/periods/close/", ops.PeriodCloseApi.as_view(), name="finance-period-close"),
     path(f"{INVOICE}/void/", ops.InvoiceVoidApi.as_view(), name="finance-invoice-void"),

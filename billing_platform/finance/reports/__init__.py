@@ -39,8 +39,9 @@ two currencies (every total is per currency). Instants are aware UTC datetimes; 
 ``csv_rows(rows, RowType)`` yields a table (header first) for ``csv_export``; the columns are
 ``RowType.csv_columns()`` (the row dataclass's fields, in order), so the CSV equals the table.
 
-One module per report (``revenue``, ``receivables``, ``credits``, ``customers``, and ``rows``
-for what they share); import from the package, whose names below are the stable ones.
+One module per report (``revenue``, ``receivables``, ``credits``, ``customers``, ``margin``
+(revenue against cost-to-serve, its own docstring says what counts), and ``rows`` for what
+they share); import from the package, whose names below are the stable ones.
 """
 
 from billing_platform.finance.reports.credits import (
@@ -56,6 +57,16 @@ from billing_platform.finance.reports.customers import (
     CustomersReport,
     TopCustomerRow,
     customers_report,
+)
+from billing_platform.finance.reports.margin import (
+    COST_CURRENCY,
+    MARGIN_BY,
+    MarginFilter,
+    MarginReport,
+    MarginRow,
+    PoolEconomicsRow,
+    RequestMarginRow,
+    margin_report,
 )
 from billing_platform.finance.reports.receivables import (
     AGING_BUCKETS,
@@ -80,10 +91,11 @@ from billing_platform.finance.reports.revenue import (
 from billing_platform.finance.reports.rows import Row, csv_rows
 
 __all__ = [
-    "AGING_BUCKETS", "DSO_DAYS", "DUNNING_STAGES", "LINE_KINDS", "PLAN_KINDS", "UNITS",
-    "CreditRow", "CreditsFilter", "CreditsReport", "CustomerMonthRow", "CustomerMovementRow",
-    "CustomersFilter", "CustomersReport", "ReceivableRow", "ReceivablesFilter",
-    "ReceivablesReport", "ReceivablesSummary", "RevenueFilter", "RevenueReport", "RevenueRow",
+    "AGING_BUCKETS", "COST_CURRENCY", "DSO_DAYS", "DUNNING_STAGES", "LINE_KINDS", "MARGIN_BY",
+    "PLAN_KINDS", "UNITS", "CreditRow", "CreditsFilter", "CreditsReport", "CustomerMonthRow",
+    "CustomerMovementRow", "CustomersFilter", "CustomersReport", "MarginFilter", "MarginReport",
+    "MarginRow", "PoolEconomicsRow", "ReceivableRow", "ReceivablesFilter", "ReceivablesReport",
+    "ReceivablesSummary", "RequestMarginRow", "RevenueFilter", "RevenueReport", "RevenueRow",
     "RevenueTotal", "Row", "TopCustomerRow", "credits_report", "csv_rows", "customers_report",
-    "receivables_report", "revenue_report",
+    "margin_report", "receivables_report", "revenue_report",
 ]
