@@ -115,6 +115,25 @@ def receivables_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
         for s in summaries]}
 
 
+@dataclass(frozen=True)
+class AfterPaymentRow(reports.Row):
+    """The receivables summary's figures of what Stripe moved back after payment, one
+    currency: its own small table on the page (the summary's fields, as the API answers them;
+    ``reports.ReceivablesSummary`` says what each counts)."""
+
+    currency: str
+    refunded: Decimal
+    refunds_pending: Decimal
+    disputed: Decimal
+    charged_back: Decimal
+
+
+def after_payment_rows(summaries: list[reports.ReceivablesSummary]) -> list[AfterPaymentRow]:
+    return [AfterPaymentRow(currency=s.currency, refunded=s.refunded,
+                            refunds_pending=s.refunds_pending, disputed=s.disputed,
+                            charged_back=s.charged_back) for s in summaries]
+
+
 CREDIT_FLOWS = ("opening", "granted", "consumed", "expired", "closing")
 
 
@@ -156,7 +175,8 @@ REPORTS: dict[str, ReportPage] = {
          ("totals", "Totals per period", reports.RevenueTotal))),
     "receivables": ReportPage(
         "Receivables", apis.ReceivablesReportApi, receivables_chart, "Open, by days past due",
-        (("summaries", "Per currency", reports.ReceivablesSummary),)),
+        (("summaries", "Per currency", reports.ReceivablesSummary),
+         ("after_payment", "Refunds and disputes (as Stripe reported them)", AfterPaymentRow))),
     "credits": ReportPage(
         "Credits", apis.CreditsReportApi, credits_chart, "Credit balances over the range",
         (("totals", "Totals per currency", reports.CreditRow),)),
@@ -229,6 +249,8 @@ def report(request: HttpRequest, name: str) -> HttpResponse:
     api = page.api()
     row_type = api.table_type(q)  # the rows ``build`` answers (customers: the table asked)
     rows, parts = api.build(dict(q))
+    if name == "receivables":
+        parts["after_payment"] = after_payment_rows(parts["summaries"])
     if request.GET.get("format") == "csv":
         response = HttpResponse(content_type="text/csv")
         start = _shown(q.get("start")) or "all"

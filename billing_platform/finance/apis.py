@@ -282,7 +282,8 @@ class RevenueReportApi(FinanceReportView):
 
 class ReceivablesReportApi(FinanceReportView):
     """Unpaid invoices with aging bucket and dunning stage (one page), and per currency: open,
-    overdue, aging buckets, uncollectible, written off, DSO."""
+    overdue, aging buckets, uncollectible, written off, DSO, and what Stripe moved back after
+    payment: refunded, refunds pending, disputed, charged back."""
 
     query = ReceivablesQuery
     name = "receivables"

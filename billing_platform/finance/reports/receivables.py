@@ -1,4 +1,5 @@
-"""The receivables report: unpaid invoices, their aging and dunning stage, DSO."""
+"""The receivables report: unpaid invoices, their aging and dunning stage, DSO, and what
+Stripe moved back after payment (refunds, disputes, chargebacks)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ class ReceivablesSummary(Row):
     amount due on invoices dunning gave up on; ``written_off``: on invoices finance wrote off.
     ``dso_days``, days sales outstanding: ``open`` / billed in the 90 days before ``as_of``
     (documents finalized then, credit notes net) x 90; None when nothing was billed then.
+
+    After payment, as Stripe reported it (``invoicing.reports.receivable_after_payment``):
+    ``refunded``, what Stripe's ``charge.refunded`` reported refunded (partial or full, through
+    a credit note or not) of the invoices billed in those 90 days (the documents of
+    ``billed_90_days``; an invoice keeps a running total, not when each refund was made);
+    ``refunds_pending``, per charge, its credit notes' refunds (``Refund``s made by ``as_of``,
+    sent or still to send, not refused) less what Stripe reported refunded of that charge,
+    never below zero (Stripe accepting a refund is not its report; ``charge.refunded`` is);
+    ``disputed``, under disputes open at ``as_of`` (opened by then, not closed by then);
+    ``charged_back``, lost to disputes closed ``lost`` in those 90 days. These are not
+    narrowed by the issue range, bucket or stage (those select unpaid invoices), only by
+    currency and organization.
     """
 
     currency: str
@@ -78,6 +91,10 @@ class ReceivablesSummary(Row):
     written_off: Decimal
     billed_90_days: Decimal
     dso_days: Decimal | None
+    refunded: Decimal
+    refunds_pending: Decimal
+    disputed: Decimal
+    charged_back: Decimal
     stages: dict[str, int] = field(default_factory=dict)
 
 
@@ -127,12 +144,17 @@ def receivables_report(*, report_filter: ReceivablesFilter, limit: int = 100,
         if s.bucket != "current":
             acc["overdue"] += s.amount_due
             acc["overdue_invoices"] += s.invoices
+    start = f.as_of - timedelta(days=DSO_DAYS)
+    after = {a.currency: a for a in invoicing_reports.receivable_after_payment(
+        start=start, end=f.as_of, currency=f.currency, org_id=f.org_id)}
     billed = invoicing_reports.billed_between(
-        start=f.as_of - timedelta(days=DSO_DAYS), end=f.as_of, currency=f.currency,
-        org_id=f.org_id) if sums else {}
+        start=start, end=f.as_of, currency=f.currency,
+        org_id=f.org_id) if sums or after else {}
+    none_after = invoicing_reports.AfterPayment("", ZERO, ZERO, ZERO, ZERO)
     summaries = []
-    for currency in sorted(sums):
-        acc = sums[currency]
+    for currency in sorted(sums.keys() | after.keys()):
+        acc = sums.get(currency) or defaultdict(lambda: ZERO, stages={})
+        moved = after.get(currency, none_after)
         billed_90 = billed.get(currency, ZERO)
         dso = (acc["open"] / billed_90 * DSO_DAYS).quantize(Decimal("0.1")) \
             if billed_90 > 0 else None
@@ -144,6 +166,10 @@ def receivables_report(*, report_filter: ReceivablesFilter, limit: int = 100,
             uncollectible=money(acc["uncollectible"], currency),
             written_off=money(acc["written_off"], currency),
             billed_90_days=money(billed_90, currency), dso_days=dso,
+            refunded=money(moved.refunded, currency),
+            refunds_pending=money(moved.refunds_pending, currency),
+            disputed=money(moved.disputed, currency),
+            charged_back=money(moved.charged_back, currency),
             stages=dict(sorted(acc["stages"].items()))))
     return ReceivablesReport(report_filter=f, count=count, rows=rows, summaries=summaries)
 
