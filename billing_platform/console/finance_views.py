@@ -32,10 +32,12 @@ from billing_platform.console.views import domain_error_page
 from billing_platform.csv_export import csv_writer
 from billing_platform.errors import DomainError
 from billing_platform.finance import apis, reports
+from billing_platform.finance.margin_apis import MarginReportApi
 from billing_platform.finance.permissions import can_operate_finance, can_read_finance
 
 NAV = (("revenue", "Revenue"), ("receivables", "Receivables"), ("credits", "Credits"),
-       ("customers", "Customers"), ("invoices", "Invoices"), ("close", "Close period"))
+       ("customers", "Customers"), ("margin", "Margin"), ("invoices", "Invoices"),
+       ("close", "Close period"))
 
 
 def finance_page(*, operate: bool = False) -> Callable[..., Callable[..., HttpResponse]]:
@@ -155,6 +157,17 @@ def customers_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
             "datasets": _series(points, labels, sorted({r.currency for r in top}))}
 
 
+def margin_chart(rows: list[Any], parts: dict[str, Any]) -> dict[str, Any]:
+    """Each pool's measured utilization against its break-even utilization (where its cost
+    per 1M tokens meets the list price): the break-even view."""
+    # the pools are a part, unless they were asked for as the table
+    pools: list[reports.PoolEconomicsRow] = parts.get("pools", rows)
+    return {"type": "bar", "labels": [p.pool for p in pools], "datasets": [
+        {"label": label, "data": [_number(getattr(p, name)) for p in pools]}
+        for name, label in (("utilization", "measured utilization"),
+                            ("break_even_utilization", "break-even utilization"))]}
+
+
 @dataclass(frozen=True)
 class ReportPage:
     """One report page: the API view whose filters and build it shares, its chart, and the
@@ -185,6 +198,14 @@ REPORTS: dict[str, ReportPage] = {
         (("top", "Top customers", reports.TopCustomerRow),
          ("months", "Customers, new and churned per month", reports.CustomerMonthRow),
          ("movements", "New and churned customers", reports.CustomerMovementRow))),
+    "margin": ReportPage(
+        "Margin (internal: cost-to-serve, never shown to customers)", MarginReportApi,
+        margin_chart, "Pools: measured against break-even utilization",
+        (("totals", "Totals per currency (cost in USD; a margin only for USD revenue)",
+          reports.MarginRow),
+         ("pools", "Pools: idle cost, cost per 1M tokens, break-even", reports.PoolEconomicsRow),
+         ("groups", "Revenue, cost and margin per group", reports.MarginRow),
+         ("requests", "Costliest requests", reports.RequestMarginRow))),
 }
 
 
