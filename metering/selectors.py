@@ -1,5 +1,6 @@
 """Reads of the metering app: usage summaries from the hourly rollups, events by request id,
-dead letters, cost-to-serve (per event, per pool's GPU time) and the engine-hour ledger.
+dead letters, cost-to-serve (per event, per pool's GPU time), the engine-hour ledger, and one
+organization's events streamed in time order.
 
 Length: every read of metering's tables is here (STYLE.md: each app owns its tables), so
 ``grep metering.selectors`` shows every reader in the platform; the sections follow the
@@ -8,13 +9,13 @@ tables they read. Split it into a package by table when another family of reads 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from django.db import connection, models
+from django.db import connection, models, transaction
 from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncDay
 
@@ -568,6 +569,37 @@ def usage_engine_capture_latest(*, since: datetime) -> dict[str, Decimal]:
             .order_by("engine", "-hour").distinct("engine").values_list("engine",
                                                                         "capture_rate"))
     return {engine: rate for engine, rate in rows if rate is not None}
+
+
+# --- One organization's events over a range, streamed (plans' advisor replays them) ----------
+
+# ``event_us``: the event time in integer microseconds since the Unix epoch (UTC), exact (the
+# column's own resolution), and parsed in C where a timestamptz goes through Python per row.
+STREAM_FIELDS = ("event_us", "model", "region", "data_zone", "service_tier", "prompt_tokens",
+                 "cached_tokens", "completion_tokens", "status", "total_ms", "in_batch")
+_STREAM_SQL = """
+SELECT (extract(epoch FROM event_time) * 1000000)::bigint, model, region, data_zone,
+       service_tier, prompt_tokens, cached_tokens, completion_tokens, status, total_ms,
+       batch_id IS NOT NULL
+  FROM usage_event
+ WHERE organization_id = %s AND event_time >= %s AND event_time < %s
+ ORDER BY event_time, id
+"""
+
+
+def usage_events_streamed(*, org_id: int, start: datetime, end: datetime,
+                          chunk_rows: int = 50_000) -> Iterator[list[tuple[Any, ...]]]:
+    """Yield an org's events with event time in [start, end), oldest first, in lists of
+    plain tuples (``STREAM_FIELDS``, in that order).
+
+    One query through a server-side cursor (in its own transaction, so it needs no WITH
+    HOLD copy): memory holds one chunk however many events the range has, and the rows come
+    off the (organization, event_time) index of each month's partition in time order.
+    """
+    with transaction.atomic(), connection.chunked_cursor() as cur:
+        cur.execute(_STREAM_SQL, [org_id, start, end])
+        while rows := cur.fetchmany(chunk_rows):
+            yield rows
 
 
 # --- Margin: rated revenue against cost-to-serve, across organizations (finance's margins) ---

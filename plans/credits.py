@@ -3,24 +3,31 @@
 ``TokenPlanLedger`` is loaded once per batch (under a row lock on the subscriptions when it
 records), splits each event's credits into plan / pack / overage in batch order, and writes the
 ledger rows, period totals and pack balances back in one go. ``plans.rating`` explains why this
-counts every event exactly once.
+counts every event exactly once. ``CreditReplay`` applies the same rules (``plan_room``,
+``past_cap``) to a period of past events as if they had been on a plan (``plans.advisor``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import cast
+from typing import TypeVar, cast
 
 from django.db.models import F
 from django.utils import timezone
 
 from plans.choices import CapPolicy
-from plans.models import CreditPackPurchase, Subscription, TokenPlanPeriod, TokenPlanUsage
-from plans.periods import period_bounds
+from plans.models import (
+    CreditPackPurchase,
+    Plan,
+    Subscription,
+    TokenPlanPeriod,
+    TokenPlanUsage,
+)
+from plans.periods import epoch_us, from_epoch_us, period_bounds
 
 ZERO = Decimal("0")
 
@@ -46,6 +53,38 @@ class _Window:
 
     def between(self, lo: datetime, hi: datetime) -> Decimal:
         return self.cums[bisect_right(self.times, hi)] - self.cums[bisect_right(self.times, lo)]
+
+
+_N = TypeVar("_N", int, Decimal)
+
+
+def plan_room(*, period_cap: _N, period_used: _N, window_cap: _N | None,
+              window_used: _N) -> _N:
+    """Return the plan credits left for an event: what both caps (the period's and, when the
+    plan has one, the rolling window's) leave, never below 0.
+
+    The same rule for the ledger (credits, Decimal) and a replay (micro-credits, int): every
+    argument is in the one unit.
+    """
+    room = period_cap - period_used
+    if window_cap is not None:
+        room = min(room, window_cap - window_used)
+    return room if room > 0 else room - room
+
+
+def past_cap(plan: Plan, *, in_plan: _N, rest: _N) -> tuple[_N, _N]:
+    """Return (plan credits, overage credits) of an event once the room and packs are used.
+
+    ``rest`` is what neither covered. Under ``overage`` it is billed at on-demand prices; under
+    ``block`` admission refuses past the cap, and what it let through (at most the last
+    request's excess) is covered by the plan and counted, so the next one is refused.
+    """
+    zero = rest - rest
+    if rest <= 0:
+        return in_plan, zero
+    if plan.cap_policy == CapPolicy.OVERAGE:
+        return in_plan, rest
+    return in_plan + rest, zero
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,26 +186,16 @@ class TokenPlanLedger:
             return stored
         plan = sub.plan
         period = self.period(sub, t)
-        # a token plan always has credits_per_period (constraint token_plan_has_credits)
-        room = cast(Decimal, plan.credits_per_period) - period.plan_credits
         window = self.windows[sub.id]
-        if plan.window_credits is not None:
-            used = window.between(t - timedelta(hours=plan.window_hours), t)
-            room = min(room, plan.window_credits - used)
-        room = max(room, ZERO)
-        in_plan = min(credits, room)
+        window_used = (window.between(t - timedelta(hours=plan.window_hours), t)
+                       if plan.window_credits is not None else ZERO)
+        # a token plan always has credits_per_period (constraint token_plan_has_credits)
+        in_plan = min(credits, plan_room(
+            period_cap=cast(Decimal, plan.credits_per_period), period_used=period.plan_credits,
+            window_cap=plan.window_credits, window_used=window_used))
         rest = credits - in_plan
         pack = self.take_packs(sub, rest, t) if rest > 0 else ZERO
-        rest -= pack
-        overage = ZERO
-        if rest > 0:
-            if plan.cap_policy == CapPolicy.OVERAGE:
-                overage = rest
-            else:
-                # Block: admission refuses past the cap; what it let through (at most the last
-                # request's excess) is covered by the plan and counted, so the next one is
-                # refused.
-                in_plan += rest
+        in_plan, overage = past_cap(plan, in_plan=in_plan, rest=rest - pack)
         split = CreditSplit(in_plan, pack, overage)
         window.add(t, in_plan)
         period.plan_credits += in_plan
@@ -199,3 +228,63 @@ class TokenPlanLedger:
             CreditPackPurchase.objects.bulk_update(list(self.dirty_packs.values()),
                                                    ["credits_used"])
 
+
+
+MICRO = 1_000_000  # micro-credits in a credit (credits keep 6 places, so these are exact)
+
+
+class CreditReplay:
+    """One token plan's caps replayed over a time-ordered stream of events, writing nothing.
+
+    It books what ``TokenPlanLedger`` books for the same events on a subscription that starts
+    at ``anchor`` with an empty ledger and no credit packs (the plan advisor's "had you been on
+    this plan"): the same rules (``plan_room``, ``past_cap``, periods from ``period_bounds``,
+    a rolling window over (t - window, t]). Only the bookkeeping differs, for speed: events
+    come in time order, so the window is a queue that drops what left it; credits are integer
+    micro-credits (exact: credits keep 6 places) and times integer microseconds since the Unix
+    epoch (``plans.periods.epoch_us``), so a month of a million events replays in a second.
+    """
+
+    __slots__ = ("anchor", "blocks", "period_cap", "period_end", "period_start", "period_used",
+                 "plan", "queue", "window", "window_cap", "window_used")
+
+    def __init__(self, plan: Plan, *, anchor: datetime):
+        self.plan = plan
+        self.anchor = anchor
+        # a token plan always has credits_per_period (constraint token_plan_has_credits)
+        self.period_cap = int(cast(Decimal, plan.credits_per_period) * MICRO)
+        self.window_cap = (None if plan.window_credits is None
+                           else int(plan.window_credits * MICRO))
+        self.window = plan.window_hours * 3_600_000_000
+        self.blocks = plan.cap_policy == CapPolicy.BLOCK
+        self.period_start = self.period_end = 0  # the first event looks its period up
+        self.period_used = 0
+        self.queue: deque[tuple[int, int]] = deque()
+        self.window_used = 0
+
+    def consume(self, t: int, credits: int) -> tuple[int, int] | None:
+        """Return the (plan, overage) micro-credits of ``credits`` at ``t`` (microseconds since
+        the epoch, never before the previous event's), or None where a blocking plan has
+        nothing left at ``t``: admission would have refused the request, and nothing of it
+        is counted."""
+        if not self.period_start <= t < self.period_end:
+            start, end = period_bounds(self.anchor, from_epoch_us(t))
+            self.period_start, self.period_end = epoch_us(start), epoch_us(end)
+            self.period_used = 0
+        queue = self.queue
+        edge = t - self.window
+        while queue and queue[0][0] <= edge:
+            self.window_used -= queue.popleft()[1]
+        room = plan_room(period_cap=self.period_cap, period_used=self.period_used,
+                         window_cap=self.window_cap, window_used=self.window_used)
+        if not room and self.blocks:
+            return None
+        if credits <= room:  # inside both caps: all of it in the plan, nothing past a cap
+            in_plan, overage = credits, 0
+        else:
+            in_plan, overage = past_cap(self.plan, in_plan=room, rest=credits - room)
+        self.period_used += in_plan
+        if in_plan and self.window_cap is not None:
+            queue.append((t, in_plan))
+            self.window_used += in_plan
+        return in_plan, overage

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import calendar
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 
 def add_months(anchor: datetime, months: int) -> datetime:
@@ -34,3 +34,17 @@ def month_bounds(at: datetime) -> tuple[datetime, datetime]:
     start = datetime(at.year, at.month, 1, tzinfo=UTC)
     end = datetime(at.year + (at.month == 12), at.month % 12 + 1, 1, tzinfo=UTC)
     return start, end
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def epoch_us(at: datetime) -> int:
+    """Return an aware instant as integer microseconds since the Unix epoch (exact)."""
+    return (at - _EPOCH) // _MICROSECOND
+
+
+def from_epoch_us(us: int) -> datetime:
+    """Return microseconds since the Unix epoch as an aware UTC instant."""
+    return _EPOCH + timedelta(microseconds=us)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Context, Decimal, localcontext
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 AMOUNT_QUANTUM = Decimal("1E-10")
 ZERO = Decimal("0")
 ONE = Decimal("1")
+_MILLION = Decimal(1_000_000)
 # Wide enough that no product of tokens (< 2^63), prices and factors is ever rounded before the
 # one explicit quantize; InvalidOperation and friends stay trapped (the default).
 EXACT = Context(prec=100, rounding=ROUND_HALF_EVEN)
@@ -61,6 +62,27 @@ def normalized_tokens(*, prompt_tokens: int, cached_tokens: int, completion_toke
         exact = ((prompt_tokens - cached_tokens) + cached_tokens * cache_burndown
                  + completion_tokens * output_burndown)
     return int(exact.to_integral_value(rounding=ROUND_CEILING))
+
+
+def normalizer(*, cache_burndown: Decimal, output_burndown: Decimal
+               ) -> Callable[[int, int, int], int]:
+    """Return ``normalized_tokens`` for these burndowns as a function of (prompt, cached,
+    completion) tokens, for callers that normalize many events.
+
+    Burndowns of at most 6 places (all the models store) are computed in integer millionths,
+    which is exact, so the ceiling is the same; other values go through ``normalized_tokens``.
+    """
+    cb, ob = (cache_burndown * _MILLION).normalize(), (output_burndown * _MILLION).normalize()
+    if cb != cb.to_integral_value() or ob != ob.to_integral_value():
+        return lambda p, c, o: normalized_tokens(
+            prompt_tokens=p, cached_tokens=c, completion_tokens=o,
+            cache_burndown=cache_burndown, output_burndown=output_burndown)
+    cbi, obi = int(cb), int(ob)
+
+    def norm(prompt: int, cached: int, completion: int) -> int:
+        return -(-((prompt - cached) * 1_000_000 + cached * cbi + completion * obi)
+                 // 1_000_000)
+    return norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,23 +128,50 @@ class ModelPricing:
         return self.tier.get(tier, ONE) * self.zone.get(zone, ONE)
 
 
+def class_units(pricing: ModelPricing, prompt_tokens: int, service_tier: str, data_zone: str
+                ) -> tuple[Decimal, Decimal, Decimal, Decimal]:
+    """Return what one token of each class costs in a request of this prompt size, tier and
+    zone: (input, cached input, output, cache write), the band's price x tier x zone / 1e6,
+    exact. ``exact_lines`` multiplies them by the token counts."""
+    prices = pricing.prices_for(prompt_tokens)
+    with localcontext(EXACT):
+        mult = pricing.multiplier(service_tier, data_zone)
+        return ((prices.input * mult).scaleb(-6), (prices.cached_input * mult).scaleb(-6),
+                (prices.output * mult).scaleb(-6), (prices.cache_write * mult).scaleb(-6))
+
+
 def exact_lines(pricing: ModelPricing, f: TokenCounts | UsageFacts) -> dict[str, Decimal]:
     """Return the on-demand amount of each token class, exact (not yet rounded)."""
-    prices = pricing.prices_for(f.prompt_tokens)
+    u_in, u_cached, u_out, u_write = class_units(pricing, f.prompt_tokens, f.service_tier,
+                                                 f.data_zone)
     with localcontext(EXACT):
-        mult = pricing.multiplier(f.service_tier, f.data_zone)
         uncached = f.prompt_tokens - f.cached_tokens
         lines = {
-            TokenClass.INPUT.value:
-                ((uncached - f.cache_write_tokens) * prices.input * mult).scaleb(-6),
-            TokenClass.CACHED_INPUT.value:
-                (f.cached_tokens * prices.cached_input * mult).scaleb(-6),
-            TokenClass.OUTPUT.value: (f.completion_tokens * prices.output * mult).scaleb(-6),
+            TokenClass.INPUT.value: (uncached - f.cache_write_tokens) * u_in,
+            TokenClass.CACHED_INPUT.value: f.cached_tokens * u_cached,
+            TokenClass.OUTPUT.value: f.completion_tokens * u_out,
         }
         if f.cache_write_tokens:
-            lines[TokenClass.CACHE_WRITE.value] = (
-                f.cache_write_tokens * prices.cache_write * mult).scaleb(-6)
+            lines[TokenClass.CACHE_WRITE.value] = f.cache_write_tokens * u_write
     return lines
+
+
+def units_in_last_places(units: Sequence[Decimal]) -> tuple[int, ...] | None:
+    """Return per-token amounts (``class_units``) as whole numbers of 1e-10, else None.
+
+    When each is a whole number of the amounts' last place (prices of at most 4 places times
+    the usual multipliers are), a line of n tokens is n x unit exactly, so rounding it once to
+    10 places (``rounded_lines``) changes nothing: an event's lines are n x unit in units of
+    1e-10, and sums of them over any number of events are exact integers. None means some
+    line of some event may round: rate those events one by one (``rounded_lines``).
+    """
+    out = []
+    for unit in units:
+        scaled = unit.scaleb(10, context=EXACT)
+        if scaled != scaled.to_integral_value():
+            return None
+        out.append(int(scaled))
+    return tuple(out)
 
 
 def rounded_lines(lines: Mapping[str, Decimal], fraction: Decimal | None = None

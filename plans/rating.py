@@ -50,7 +50,7 @@ import gc
 import uuid
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import datetime
@@ -78,9 +78,9 @@ from plans.pricing import (
 )
 
 __all__ = [
-    "AMOUNT_QUANTUM", "RATERS", "Rating", "UnpricedModel", "UsageFacts", "normalized_tokens",
-    "quantize_amount", "quote", "rate_on_demand", "rate_provisioned", "rate_token_plan",
-    "rate_usage_batch",
+    "AMOUNT_QUANTUM", "RATERS", "Rating", "UnpricedModel", "UsageFacts", "coefficients_of",
+    "credit_units", "normalized_tokens", "price_book_of", "quantize_amount", "quote",
+    "rate_on_demand", "rate_provisioned", "rate_token_plan", "rate_usage_batch",
 ]
 
 
@@ -170,6 +170,19 @@ if tuple(f.name for f in fields(Rating)) != _RATING_FIELDS:  # keep _fast_rating
 
 # --- the batch ---------------------------------------------------------------------------------
 
+def price_book_of(sub: Subscription | None, *, org_currency: str,
+                  default_books: Mapping[str, int], book_currency: Mapping[int, str]
+                  ) -> tuple[int | None, str]:
+    """Return the price book (id, None when there is none) and currency an organization's
+    events are rated with under ``sub``: its plan's book, else the default book of the plan's
+    currency (no plan: the organization's). ``book_currency`` maps book ids to currencies."""
+    if sub is not None and sub.plan.price_book_id:
+        book_id = sub.plan.price_book_id
+        return book_id, book_currency.get(book_id, sub.plan.currency)
+    currency = sub.plan.currency if sub is not None else org_currency
+    return default_books.get(currency), currency
+
+
 def _validate(f: UsageFacts) -> None:
     if f.event_time.tzinfo is None:
         raise InvalidRequest(f"{f.request_id}: event_time must be timezone-aware",
@@ -182,6 +195,25 @@ def _validate(f: UsageFacts) -> None:
     if f.service_tier not in _TIERS:
         raise InvalidRequest(f"{f.request_id}: unknown service tier {f.service_tier!r}",
                              param="service_tier")
+
+
+def coefficients_of(per_model: Mapping[str, dict[str, Decimal]] | None, model: str
+                    ) -> dict[str, Decimal] | None:
+    """Return a plan's credit coefficients (token class -> credits per token) for ``model``:
+    its own, else the plan's ``*`` row; None when the plan does not cover the model (it is
+    rated on-demand). ``per_model`` maps models to their coefficients."""
+    if not per_model:
+        return None
+    return per_model.get(model) or per_model.get(ANY_MODEL)
+
+
+def credit_units(coef: Mapping[str, Decimal]) -> tuple[Decimal, Decimal, Decimal, Decimal]:
+    """Return the credits one token of each class costs under a plan's coefficients: (input,
+    cached input, output, cache write); a cache write costs what input does unless the plan
+    says otherwise, a class the plan does not name nothing."""
+    c_in = coef.get(TokenClass.INPUT, ZERO)
+    return (c_in, coef.get(TokenClass.CACHED_INPUT, ZERO), coef.get(TokenClass.OUTPUT, ZERO),
+            coef.get(TokenClass.CACHE_WRITE, c_in))
 
 
 class _Batch:
@@ -247,10 +279,7 @@ class _Batch:
         return None
 
     def coefficients_for(self, sub: Subscription, model: str) -> dict[str, Decimal] | None:
-        per_model = self.coefficients.get(sub.plan_id)
-        if not per_model:
-            return None
-        return per_model.get(model) or per_model.get(ANY_MODEL)
+        return coefficients_of(self.coefficients.get(sub.plan_id), model)
 
     def kind_of(self, f: UsageFacts) -> tuple[str, Subscription | None]:
         """Return which rater prices ``f`` and the subscription in force at its time."""
@@ -267,11 +296,8 @@ class _Batch:
 
     def book_of(self, org_id: int, sub: Subscription | None) -> tuple[int | None, str]:
         """Return the price book (and currency) an org is rated with: its plan's, else default."""
-        if sub is not None and sub.plan.price_book_id:
-            book_id = sub.plan.price_book_id
-            return book_id, self.prices.currency.get(book_id, sub.plan.currency)
-        currency = sub.plan.currency if sub is not None else self.org_currency[org_id]
-        return self.default_book.get(currency), currency
+        return price_book_of(sub, org_currency=self.org_currency[org_id],
+                             default_books=self.default_book, book_currency=self.prices.currency)
 
     def pricing(self, f: UsageFacts, sub: Subscription | None) -> ModelPricing:
         """Return the prices in force for ``f`` at its event time (bisect over versions)."""
@@ -321,14 +347,11 @@ def rate_token_plan(batch: _Batch, f: UsageFacts, sub: Subscription | None) -> R
     """Return 0 inside the plan's credits (packs next), on-demand prices for the overage part."""
     if sub is None or batch.plan_state is None:  # kind_of only sends us covered events
         return rate_on_demand(batch, f, sub)
-    coef = batch.coefficients_for(sub, f.model) or {}
+    c_in, c_cached, c_out, c_write = credit_units(batch.coefficients_for(sub, f.model) or {})
     uncached = f.prompt_tokens - f.cached_tokens - f.cache_write_tokens
     with localcontext(EXACT):
-        credits = (uncached * coef.get(TokenClass.INPUT, ZERO)
-                   + f.cached_tokens * coef.get(TokenClass.CACHED_INPUT, ZERO)
-                   + f.completion_tokens * coef.get(TokenClass.OUTPUT, ZERO)
-                   + f.cache_write_tokens * coef.get(TokenClass.CACHE_WRITE,
-                                                     coef.get(TokenClass.INPUT, ZERO)))
+        credits = (uncached * c_in + f.cached_tokens * c_cached + f.completion_tokens * c_out
+                   + f.cache_write_tokens * c_write)
         credits = credits.quantize(CREDIT_QUANTUM, rounding=ROUND_CEILING)
     split = batch.plan_state.consume(sub, f.request_id, f.event_time, credits)
     pricing = batch.pricing(f, sub)
