@@ -5,8 +5,10 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+from django.utils import timezone
 from rest_framework import serializers
 
+from plans.advisor import MAX_PERIOD
 from plans.choices import (
     CapacitySource,
     CapPolicy,
@@ -341,3 +343,79 @@ class QuoteSerializer(serializers.Serializer):
     capacity_source = serializers.CharField()
     rating_kind = serializers.CharField()
     price_version_id = serializers.IntegerField(allow_null=True)
+
+
+# --- plan advice -------------------------------------------------------------------------------
+
+class PlanAdviceQuerySerializer(serializers.Serializer):
+    """``start`` and ``end`` of a past period (ISO 8601, aware), both or neither: neither means
+    the organization's last closed billing period. At most ``plans.advisor.MAX_PERIOD``."""
+
+    start = serializers.DateTimeField(required=False,
+                                      help_text="inclusive, e.g. 2026-10-01T00:00:00Z")
+    end = serializers.DateTimeField(required=False, help_text="exclusive, in the past")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        start, end = attrs.get("start"), attrs.get("end")
+        if (start is None) != (end is None):
+            raise serializers.ValidationError(
+                {"end" if end is None else "start": "Give both start and end, or neither."})
+        if start is not None and end is not None:
+            if start >= end:
+                raise serializers.ValidationError({"end": "end must be after start."})
+            if end - start > MAX_PERIOD:
+                raise serializers.ValidationError(
+                    {"end": f"A period is at most {MAX_PERIOD.days} days."})
+            if end > timezone.now():
+                raise serializers.ValidationError({"end": "The period must have ended."})
+        return attrs
+
+
+class AdviceLineSerializer(serializers.Serializer):
+    model = serializers.CharField()
+    region = serializers.CharField()
+    service_tier = serializers.CharField()
+    capacity_source = serializers.CharField()
+    token_class = serializers.CharField()
+    tokens = serializers.IntegerField()
+    amount_precise = serializers.DecimalField(max_digits=30, decimal_places=10)
+    amount = serializers.DecimalField(max_digits=30, decimal_places=4)
+
+
+class AlternativeSerializer(serializers.Serializer):
+    kind = serializers.CharField()
+    code = serializers.CharField()
+    name = serializers.CharField()
+    available = serializers.BooleanField()
+    reason = serializers.CharField()
+    usage = serializers.DecimalField(max_digits=30, decimal_places=4)
+    fees = serializers.DecimalField(max_digits=30, decimal_places=4)
+    total = serializers.DecimalField(max_digits=30, decimal_places=4)
+    requests = serializers.IntegerField()
+    refused_requests = serializers.IntegerField()
+    detail = serializers.SerializerMethodField()
+    lines = AdviceLineSerializer(many=True)
+
+    def get_detail(self, obj: Any) -> dict[str, Any]:
+        # money and credits as decimal strings, like every amount of this API
+        return {k: str(v) if isinstance(v, Decimal) else v for k, v in obj.detail.items()}
+
+
+class PlanAdviceSerializer(serializers.Serializer):
+    object = serializers.SerializerMethodField()
+    organization = serializers.CharField()
+    period_start = serializers.DateTimeField()
+    period_end = serializers.DateTimeField()
+    currency = serializers.CharField()
+    events = serializers.IntegerField()
+    current = AlternativeSerializer()
+    alternatives = AlternativeSerializer(many=True)
+    cheapest = serializers.SerializerMethodField()
+    saving = serializers.DecimalField(max_digits=30, decimal_places=4)
+
+    def get_object(self, obj: Any) -> str:
+        return "plan_advice"
+
+    def get_cheapest(self, obj: Any) -> dict[str, Any]:
+        c = obj.cheapest
+        return {"kind": c.kind, "code": c.code, "name": c.name, "total": str(c.total)}

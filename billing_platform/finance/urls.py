@@ -1,10 +1,11 @@
 """Routes of ``/api/v1/finance/`` (included before the other ``api/v1/`` includes): the
 reports (``apis``) and finance's operations (``operations_apis``)."""
 
-from django.urls import URLPattern, URLResolver, path
+from django.urls import URLPattern, URLResolver, path, re_path
 
 from billing_platform.finance import apis
 from billing_platform.finance import operations_apis as ops
+from billing_platform.finance.advice_apis import FinancePlanAdviceApi
 from billing_platform.finance.margin_apis import MarginReportApi
 
 INVOICE = "finance/invoices/<str:invoice_id>"
@@ -36,4 +37,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
          name="finance-credit-grant-create"),
     path(f"{ORG}/invoice-items/", ops.InvoiceItemCreateApi.as_view(),
          name="finance-invoice-item-create"),
+    # an organization's plan advice (issue 18 item 4), with or without the trailing slash
+    re_path(r"^finance/organizations/(?P<org_id>[^/]+)/plan_advice/?$",
+            FinancePlanAdviceApi.as_view(), name="finance-plan-advice"),
 ]
