@@ -355,7 +355,9 @@ class _TokenPlanRun:
         consume, add, free, book = (self.replay.consume, self.lines.add,
                                     self.lines.add_tokens, self.book)
         credit_micro = self.credit_micro
-        for i, (t, model, region, zone, tier, prompt, cached, completion, *_) in enumerate(rows):
+        refused = plan_credits = overage_credits = 0
+        for i, (t, model, region, zone, tier, prompt, cached, completion, _status, _ms,
+                _batch) in enumerate(rows):
             try:
                 units = credit_micro[model]
             except KeyError:
@@ -368,14 +370,14 @@ class _TokenPlanRun:
                 continue
             split = consume(t, n_in * units[0] + cached * units[1] + completion * units[2])
             if split is None:
-                self.refused += 1
+                refused += 1
                 continue
             in_plan, overage = split
-            self.plan_credits += in_plan
+            plan_credits += in_plan
             if not overage:
                 free((model, region, tier, _PLAN), n_in, cached, completion)
                 continue
-            self.overage_credits += overage
+            overage_credits += overage
             if not in_plan:
                 a = (amounts[i] if amounts is not None
                      else book.lines(model, t, prompt, cached, completion, tier, zone))
@@ -383,6 +385,9 @@ class _TokenPlanRun:
                 fraction = EXACT.divide(Decimal(overage), Decimal(in_plan + overage))
                 a = book.part_lines(model, t, prompt, cached, completion, tier, zone, fraction)
             add((model, region, tier, _OVERAGE), n_in, cached, completion, *a)
+        self.refused += refused
+        self.plan_credits += plan_credits
+        self.overage_credits += overage_credits
 
 
 # --- provisioned units -------------------------------------------------------------------------
@@ -408,8 +413,8 @@ class _OfferingRun:
         """Keep the chunk's events of the offering's model and region."""
         o, start, norm, extend = self.offering, self.start, self.norm, self.events.extend
         key_index = self.key_index
-        for (t, model, region, _zone, tier, prompt, cached, completion, *_), a in zip(
-                rows, amounts, strict=True):
+        for (t, model, region, _zone, tier, prompt, cached, completion, _status, _ms,
+             _batch), a in zip(rows, amounts, strict=True):
             if model != o.model or region != o.region:
                 continue
             i = key_index.get(tier)
@@ -434,8 +439,8 @@ class _OfferingRun:
         out.sort(key=lambda m: -m[0])
         return out
 
-    def spill(self, minutes: list[tuple[int, int, int]], capacity: int,
-              spilled: list[int] | None = None) -> int:
+    def spill(self, minutes: list[tuple[int, int, int]], capacity: int, spilled: list[int]
+              ) -> int:
         """Return the on-demand amount (1e-10) of the requests that would have spilled over
         at ``capacity`` normalized tokens a minute; list their offsets in ``spilled``.
 
@@ -453,8 +458,7 @@ class _OfferingRun:
                     level -= ev[i + 1]
                 else:
                     total += ev[i + 2]
-                    if spilled is not None:
-                        spilled.append(i)
+                    spilled.append(i)
         return total
 
 
@@ -486,15 +490,15 @@ def _provisioned(run: _OfferingRun, od_lines: _Lines, *, start: datetime, end: d
     tpm = o.tokens_per_minute_per_unit
     lowest = max(o.min_units, 1)
     most = max(lowest, -(-peak // tpm))
-    best_units, best_cost = lowest, fee_e10 * lowest + run.spill(minutes, lowest * tpm)
+    spilled: list[int] = []
+    best_units, best_cost = lowest, fee_e10 * lowest + run.spill(minutes, lowest * tpm, spilled)
     for units in range(lowest + 1, most + 1):
         if fee_e10 * units >= best_cost:
             break  # the fee alone costs more than the best so far
-        cost = fee_e10 * units + run.spill(minutes, units * tpm)
+        these: list[int] = []
+        cost = fee_e10 * units + run.spill(minutes, units * tpm, these)
         if cost < best_cost:
-            best_units, best_cost = units, cost
-    spilled: list[int] = []
-    run.spill(minutes, best_units * tpm, spilled)
+            best_units, best_cost, spilled = units, cost, these
     # The on-demand rows of the offering's model and region hold its events and no others:
     # they become provisioned rows (no per-token charge) less what spilled over.
     lines, mine = _Lines(), (o.model, o.region)
