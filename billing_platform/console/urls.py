@@ -4,6 +4,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from billing_platform.console import (
+    advice_views,
     audit_views,
     batch_views,
     settings_views,
@@ -33,6 +34,7 @@ urlpatterns = [
          name="invoice-pdf"),
     path("invoices/<str:invoice_id>/csv/", views.invoice_document, {"fmt": "csv"},
          name="invoice-csv"),
+    path("plan-advice/", advice_views.plan_advice, name="plan-advice"),
     path("settings/", settings_views.quota_settings, name="settings"),
     path("settings/billing-profile/", settings_views.billing_profile_save,
          name="billing-profile"),

@@ -19,7 +19,8 @@ PASSWORD = "a-long-passphrase-42"
 
 MAIN_PAGES = ["/console/", "/console/usage/", "/console/batches/", "/console/projects/",
               "/console/projects/{project}/keys/", "/console/members/", "/console/settings/",
-              "/console/invoices/", "/console/invoices/upcoming/", "/console/audit/",
+              "/console/invoices/", "/console/invoices/upcoming/", "/console/plan-advice/",
+              "/console/audit/",
               "/admin/", "/admin/accounts/organization/"]
 
 

@@ -66,8 +66,12 @@ def _advise(org, start=OCT, end=NOV):
 
 @pytest.fixture
 def token_plan_month(db):
+    return october_on_token_plan_o()
+
+
+def october_on_token_plan_o():
     """October 2026: an org on token plan O (overage) with four m-small requests, a second
-    catalog plan B (block), and October closed by the real period close.
+    catalog plan B (block), and October closed by the real period close; return the org.
 
     Plan O: 10.00 a month, 3,000,000 credits a period, 2,000,000 per rolling 5 hours,
     overage. Plan B: 1.00 a month, 2,000,000 credits, no window, block. Credits per token:
