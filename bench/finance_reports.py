@@ -37,12 +37,11 @@ import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.invoice_run import MODELS, fresh_database, log
+from bench.invoice_run import MODELS, drop_database, fresh_database, log
 
 MONTHS = 12
 
@@ -292,15 +291,7 @@ def main() -> None:
                 "check": reconciles(results["revenue"]), "runs": args.runs,
                 "setup_seconds": round(setup, 1)})
     if not args.keep:
-        from django.db import connections
-
-        connections.close_all()
-        import psycopg
-
-        parsed = urlparse(url)
-        with psycopg.connect(urlunparse(parsed._replace(path="/postgres")),
-                             autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{parsed.path.lstrip("/")}" WITH (FORCE)')
+        drop_database(url)
     print(json.dumps(out))
 
 

@@ -52,6 +52,17 @@ def fresh_database(url: str) -> None:
         conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def drop_database(url: str) -> None:
+    """Close Django's connections and drop the bench database ``url`` names."""
+    import psycopg
+    from django.db import connections
+
+    connections.close_all()
+    parsed = urlparse(url)
+    with psycopg.connect(urlunparse(parsed._replace(path="/postgres")), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{parsed.path.lstrip("/")}" WITH (FORCE)')
+
+
 def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
     from django.db import connection
 
@@ -172,15 +183,7 @@ def main() -> None:
               "invoices_created": report.invoices, **check(args.orgs),
               "setup_seconds": round(setup, 1)}
     if not args.keep:
-        from django.db import connections
-
-        connections.close_all()
-        import psycopg
-
-        parsed = urlparse(url)
-        with psycopg.connect(urlunparse(parsed._replace(path="/postgres")),
-                             autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{parsed.path.lstrip("/")}" WITH (FORCE)')
+        drop_database(url)
     print(json.dumps(result))
 
 

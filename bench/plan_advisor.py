@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.invoice_run import fresh_database, log
+from bench.invoice_run import drop_database, fresh_database, log
 
 PERIOD_START = datetime(2026, 10, 1, tzinfo=UTC)
 PERIOD_END = datetime(2026, 11, 1, tzinfo=UTC)
@@ -181,16 +181,7 @@ def main() -> None:
     log(json.dumps({a.kind + ":" + a.code: str(a.total) for a in
                     (advice.current, *advice.alternatives)}))
     if not args.keep:
-        from urllib.parse import urlparse, urlunparse
-
-        import psycopg
-        from django.db import connections
-
-        connections.close_all()
-        parsed = urlparse(url)
-        with psycopg.connect(urlunparse(parsed._replace(path="/postgres")),
-                             autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{parsed.path.lstrip("/")}" WITH (FORCE)')
+        drop_database(url)
     print(json.dumps(result))
 
 
