@@ -70,9 +70,11 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
         cur.execute("""
             INSERT INTO accounts_organization
                 (public_id, name, slug, billing_email, currency, data_zone, tax_rate, status,
-                 created_at)
+                 created_at, legal_name, address_line1, address_line2, postal_code, city,
+                 region, country, tax_id)
             SELECT 'org_bench' || g, 'Bench org ' || g, 'bench-' || g,
-                   'billing+' || g || '@bench.example.com', 'USD', 'global', 0, 'active', %s
+                   'billing+' || g || '@bench.example.com', 'USD', 'global', 0, 'active', %s,
+                   '', '', '', '', '', '', '', ''
               FROM generate_series(1, %s) AS g""", [PERIOD_START, orgs])
         # Bulk load without the rollup table's secondary indexes, then rebuild them exactly
         # as they were (the bench database only): a sort-built index is many times faster
