@@ -41,7 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.invoice_run import MODELS, drop_database, fresh_database, log
+from bench.invoice_run import (
+    MODELS,
+    drop_database,
+    fresh_database,
+    log,
+    rollup_indexes_drop,
+)
 
 MONTHS = 12
 
@@ -76,18 +82,7 @@ def build(orgs: int, first: datetime, end: datetime, models: int, hours: int,
                      tax_rate=Decimal("0.2") if g % 3 == 0 else Decimal(0), created_at=first)
         for g in range(1, orgs + 1)], batch_size=5000)
     with connection.cursor() as cur:
-        cur.execute("""SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
-                        WHERE conrelid = 'usage_rollup_hourly'::regclass AND contype = 'u'""")
-        constraints = cur.fetchall()
-        cur.execute("""SELECT indexname, indexdef FROM pg_indexes
-                        WHERE tablename = 'usage_rollup_hourly' AND indexname NOT IN (
-                            SELECT conname FROM pg_constraint
-                             WHERE conrelid = 'usage_rollup_hourly'::regclass)""")
-        indexes = cur.fetchall()
-        for name, _ in constraints:
-            cur.execute(f'ALTER TABLE usage_rollup_hourly DROP CONSTRAINT "{name}"')
-        for name, _ in indexes:
-            cur.execute(f'DROP INDEX "{name}"')
+        rebuild_indexes = rollup_indexes_drop(cur)
         cur.execute("SELECT min(id), max(id) FROM accounts_organization")
         lo, hi = cur.fetchone()
         days = (end - first).days
@@ -123,12 +118,7 @@ def build(orgs: int, first: datetime, end: datetime, models: int, hours: int,
                          stop])
             rows += cur.rowcount
             log(f"  rollups: {rows:,} rows (orgs up to {stop - lo + 1:,})")
-        log("  rebuilding the rollup indexes")
-        cur.execute("SET maintenance_work_mem = '1GB'")
-        for name, definition in constraints:
-            cur.execute(f'ALTER TABLE usage_rollup_hourly ADD CONSTRAINT "{name}" {definition}')
-        for _, definition in indexes:
-            cur.execute(definition)
+        rebuild_indexes()
         cur.execute("ANALYZE usage_rollup_hourly")
         cur.execute("ANALYZE accounts_organization")
     return rows

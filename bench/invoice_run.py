@@ -22,8 +22,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +65,36 @@ def drop_database(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{parsed.path.lstrip("/")}" WITH (FORCE)')
 
 
+def rollup_indexes_drop(cur: Any) -> Callable[[], None]:
+    """Drop usage_rollup_hourly's unique constraints and indexes; return what rebuilds them.
+
+    Bench databases only: a sort-built index is many times faster than millions of single-row
+    index inserts, and the rebuilt ones are exactly the ones dropped.
+    """
+    cur.execute("""SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
+                    WHERE conrelid = 'usage_rollup_hourly'::regclass AND contype = 'u'""")
+    constraints = cur.fetchall()
+    cur.execute("""SELECT indexname, indexdef FROM pg_indexes
+                    WHERE tablename = 'usage_rollup_hourly' AND indexname NOT IN (
+                        SELECT conname FROM pg_constraint
+                         WHERE conrelid = 'usage_rollup_hourly'::regclass)""")
+    indexes = cur.fetchall()
+    for name, _ in constraints:
+        cur.execute(f'ALTER TABLE usage_rollup_hourly DROP CONSTRAINT "{name}"')
+    for name, _ in indexes:
+        cur.execute(f'DROP INDEX "{name}"')
+
+    def rebuild() -> None:
+        log("  rebuilding the rollup indexes")
+        cur.execute("SET maintenance_work_mem = '1GB'")
+        for name, definition in constraints:
+            cur.execute(f'ALTER TABLE usage_rollup_hourly ADD CONSTRAINT "{name}" {definition}')
+        for _, definition in indexes:
+            cur.execute(definition)
+
+    return rebuild
+
+
 def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
     from django.db import connection
 
@@ -79,18 +111,7 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
         # Bulk load without the rollup table's secondary indexes, then rebuild them exactly
         # as they were (the bench database only): a sort-built index is many times faster
         # than 36M single-row index inserts, and the close reads the same indexes either way.
-        cur.execute("""SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
-                        WHERE conrelid = 'usage_rollup_hourly'::regclass AND contype = 'u'""")
-        constraints = cur.fetchall()
-        cur.execute("""SELECT indexname, indexdef FROM pg_indexes
-                        WHERE tablename = 'usage_rollup_hourly' AND indexname NOT IN (
-                            SELECT conname FROM pg_constraint
-                             WHERE conrelid = 'usage_rollup_hourly'::regclass)""")
-        indexes = cur.fetchall()
-        for name, _ in constraints:
-            cur.execute(f'ALTER TABLE usage_rollup_hourly DROP CONSTRAINT "{name}"')
-        for name, _ in indexes:
-            cur.execute(f'DROP INDEX "{name}"')
+        rebuild_indexes = rollup_indexes_drop(cur)
         cur.execute("SELECT min(id), max(id) FROM accounts_organization")
         lo, hi = cur.fetchone()
         rows = 0
@@ -118,12 +139,7 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
                          models])
             rows += cur.rowcount
             log(f"  rollups: {rows:,} rows (orgs up to {end - lo + 1:,})")
-        log("  rebuilding the rollup indexes")
-        cur.execute("SET maintenance_work_mem = '1GB'")
-        for name, definition in constraints:
-            cur.execute(f'ALTER TABLE usage_rollup_hourly ADD CONSTRAINT "{name}" {definition}')
-        for _, definition in indexes:
-            cur.execute(definition)
+        rebuild_indexes()
         cur.execute("ANALYZE usage_rollup_hourly")
         cur.execute("ANALYZE accounts_organization")
     return rows
