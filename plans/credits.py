@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TypeVar, cast
 
+import numpy as np
 from django.db.models import F
 from django.utils import timezone
 
@@ -288,3 +289,105 @@ class CreditReplay:
             queue.append((t, in_plan))
             self.window_used += in_plan
         return in_plan, overage
+
+    def consume_many(self, t: np.ndarray, credits: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Book a time-ordered run of events at once: return (plan, overage, refused) per
+        event, as ``consume`` one by one would (refused: its None; plan and overage 0 then).
+
+        ``t`` and ``credits`` are int64 arrays (microseconds, micro-credits). Where no cap
+        binds, a block of events is checked in one go against both caps (the window's use from
+        cumulative sums and a search for each event's window start); an event that crosses a
+        cap goes through ``plan_room`` and ``past_cap`` alone; and the run of events that
+        find no room after it (until the period ends or enough of the window leaves it) is
+        booked at once, as ``consume`` books an event with no room. The state afterwards is
+        ``consume``'s, so the two can be mixed.
+        """
+        n = len(t)
+        plan = np.zeros(n, dtype=np.int64)
+        overage = np.zeros(n, dtype=np.int64)
+        refused = np.zeros(n, dtype=bool)
+        if not n:
+            return plan, overage, refused
+        if int(credits.max()) * n + self.period_used >= 2**62:  # int64 sums could overflow
+            for i, (ti, ci) in enumerate(zip(t.tolist(), credits.tolist(), strict=True)):
+                split = self.consume(ti, ci)
+                if split is None:
+                    refused[i] = True
+                else:
+                    plan[i], overage[i] = split
+            return plan, overage, refused
+        windowed, window = self.window_cap is not None, self.window
+        q_t = np.fromiter((q for q, _ in self.queue), dtype=np.int64, count=len(self.queue))
+        q_c = np.fromiter((c for _, c in self.queue), dtype=np.int64, count=len(self.queue))
+        block, i = 256, 0
+        while i < n:
+            ti = int(t[i])
+            if not self.period_start <= ti < self.period_end:
+                start, end = period_bounds(self.anchor, from_epoch_us(ti))
+                self.period_start, self.period_end = epoch_us(start), epoch_us(end)
+                self.period_used = 0
+            stop = int(np.searchsorted(t, self.period_end, side="left"))  # this period's end
+            if windowed:  # what left the window by t[i] never counts again
+                keep = int(np.searchsorted(q_t, ti - window, side="right"))
+                q_t, q_c = q_t[keep:], q_c[keep:]
+            hi = min(stop, i + block)
+            tb, cb = t[i:hi], credits[i:hi]
+            used = np.cumsum(cb) - cb  # credits of the block before each event, had all fit
+            room = self.period_cap - self.period_used - used
+            if windowed:
+                times = np.concatenate((q_t, tb))
+                sums = np.concatenate(([0], np.cumsum(np.concatenate((q_c, cb)))))
+                first = np.searchsorted(times, tb - window, side="right")
+                inside = sums[len(q_t) + np.arange(hi - i)] - sums[first]
+                room = np.minimum(room, cast(int, self.window_cap) - inside)
+            room = np.maximum(room, 0)
+            fits = (cb <= room) & ((room > 0) | (not self.blocks))
+            f = int(np.argmin(fits)) if not fits.all() else hi - i
+            if f:  # inside both caps: all of it in the plan
+                plan[i:i + f] = cb[:f]
+                self.period_used += int(cb[:f].sum())
+                if windowed:
+                    booked = cb[:f] > 0  # as consume: an event of no credits is not queued
+                    q_t = np.concatenate((q_t, tb[:f][booked]))
+                    q_c = np.concatenate((q_c, cb[:f][booked]))
+            if f == hi - i:
+                i, block = hi, min(block * 2, 65_536)
+                continue
+            k, block = i + f, 256
+            tk, ck = int(t[k]), int(credits[k])
+            window_used = 0
+            if windowed:
+                keep = int(np.searchsorted(q_t, tk - window, side="right"))
+                q_t, q_c = q_t[keep:], q_c[keep:]
+                window_used = int(q_c.sum())
+            room_k = plan_room(period_cap=self.period_cap, period_used=self.period_used,
+                               window_cap=self.window_cap, window_used=window_used)
+            if room_k:  # the event that crosses a cap
+                in_plan, over = past_cap(self.plan, in_plan=room_k, rest=ck - room_k)
+                plan[k], overage[k] = in_plan, over
+                self.period_used += in_plan
+                if windowed and in_plan:
+                    q_t, q_c = np.append(q_t, tk), np.append(q_c, in_plan)
+                i = k + 1
+                continue
+            # No room: nor for any event until the period ends or, when only the window is
+            # full, until enough of it leaves (nothing booked meanwhile adds to it).
+            until = stop
+            if windowed and self.period_used < self.period_cap:
+                need = window_used - cast(int, self.window_cap)  # leaving must exceed this
+                j = int(np.searchsorted(np.cumsum(q_c), need, side="right"))
+                if j < len(q_t):  # else the window never frees (a cap of 0)
+                    until = min(stop, int(np.searchsorted(t, int(q_t[j]) + window,
+                                                          side="left")))
+            run = slice(k, max(until, k + 1))
+            if self.blocks:
+                refused[run] = True
+            else:  # past_cap with no room: all of it overage
+                overage[run] = np.maximum(credits[run], 0)
+            i = run.stop
+        if windowed:
+            keep = int(np.searchsorted(q_t, int(t[-1]) - window, side="right"))
+            self.queue = deque(zip(q_t[keep:].tolist(), q_c[keep:].tolist(), strict=True))
+            self.window_used = sum(c for _, c in self.queue)
+        return plan, overage, refused

@@ -16,6 +16,8 @@ from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Context, Decimal, localcontext
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from plans.choices import DEFAULT_CACHED_INPUT_FRACTION, MultiplierDimension, TokenClass
 from plans.models import ContextBand, ModelPrice, PriceBook, PriceMultiplier, PriceVersion
 
@@ -65,23 +67,28 @@ def normalized_tokens(*, prompt_tokens: int, cached_tokens: int, completion_toke
 
 
 def normalizer(*, cache_burndown: Decimal, output_burndown: Decimal
-               ) -> Callable[[int, int, int], int]:
+               ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """Return ``normalized_tokens`` for these burndowns as a function of (prompt, cached,
-    completion) tokens, for callers that normalize many events.
+    completion) token arrays (int64, one event each), for callers that normalize many events.
 
     Burndowns of at most 6 places (all the models store) are computed in integer millionths,
-    which is exact, so the ceiling is the same; other values go through ``normalized_tokens``.
+    which is exact, so the ceiling is the same; other values go through ``normalized_tokens``
+    one event at a time.
     """
     cb, ob = (cache_burndown * _MILLION).normalize(), (output_burndown * _MILLION).normalize()
     if cb != cb.to_integral_value() or ob != ob.to_integral_value():
-        return lambda p, c, o: normalized_tokens(
-            prompt_tokens=p, cached_tokens=c, completion_tokens=o,
-            cache_burndown=cache_burndown, output_burndown=output_burndown)
+        def each(prompt: np.ndarray, cached: np.ndarray, completion: np.ndarray) -> np.ndarray:
+            return np.array([normalized_tokens(
+                prompt_tokens=p, cached_tokens=c, completion_tokens=o,
+                cache_burndown=cache_burndown, output_burndown=output_burndown)
+                for p, c, o in zip(prompt.tolist(), cached.tolist(), completion.tolist(),
+                                   strict=True)], dtype=np.int64)
+        return each
     cbi, obi = int(cb), int(ob)
 
-    def norm(prompt: int, cached: int, completion: int) -> int:
-        return -(-((prompt - cached) * 1_000_000 + cached * cbi + completion * obi)
-                 // 1_000_000)
+    def norm(prompt: np.ndarray, cached: np.ndarray, completion: np.ndarray) -> np.ndarray:
+        exact = (prompt - cached) * 1_000_000 + cached * cbi + completion * obi
+        return np.asarray(-(-exact // 1_000_000), dtype=np.int64)
     return norm
 
 

@@ -13,6 +13,7 @@ import random
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
+import numpy as np
 import pytest
 
 from billing_platform.accounts.choices import Role
@@ -269,6 +270,47 @@ def test_on_demand_figure_equals_the_closed_invoice_to_the_cent(on_demand_month,
     assert D(body["current"]["total"]) == invoice.subtotal
 
 
+def test_on_demand_figure_follows_the_plan_book_its_versions_and_context_bands(db):
+    """An org on an on-demand plan with its own book for the first half of October (context
+    bands above 100,000 and 1,000,000 prompt tokens, a new version on the 10th, a model whose
+    per-token amounts round), then on the default book: the advisor prices each event with
+    the book and version in force at its time and the band its prompt falls in, so its
+    on-demand figure is the closed invoice's usage lines, line by line."""
+    make_price_book(prices=[SMALL, {"model": "m-odd", "input": "0.3", "output": "0.7"}])
+    banded = {"model": "m-small", "input": "0.50", "output": "1.00", "bands": [
+        {"above_prompt_tokens": 100_000, "input": "1.00", "output": "3.00"},
+        {"above_prompt_tokens": 1_000_000, "input": "2.00", "output": "5.00"}]}
+    odd = {"model": "m-odd", "input": "0.123456789", "output": "0.987654321"}
+    book = make_price_book(code="private", prices=[banded, odd], is_default=False)
+    plan_services.price_version_create(
+        price_book=book, effective_from=OCT + timedelta(days=9), allow_backdate=True,
+        prices=[{**banded, "input": "0.40"}, odd])
+    plan = plan_services.plan_create(code="od-private", name="Private prices",
+                                     kind="on_demand", price_book=book)
+    org = make_billed_org(name="Banded Co")
+    plan_services.subscription_create(organization=org, plan=plan, starts_at=OCT,
+                                      ends_at=OCT + timedelta(days=15))
+    rng = random.Random(21)
+    for i in range(48):
+        prompt = rng.choice((50_000, 100_000, 100_001, 999_999, 1_000_000, 1_500_000))
+        record(org, f"b{i}", OCT + timedelta(hours=15 * i, minutes=rng.randrange(60)),
+               model=rng.choice(["m-small", "m-small", "m-odd"]),
+               service_tier=rng.choice(["default", "priority", "batch"]),
+               prompt_tokens=prompt, cached_tokens=rng.randrange(prompt // 2),
+               completion_tokens=rng.randrange(200_000))
+    invoicing.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    usage_lines = Invoice.objects.get(organization=org).lines.filter(kind=LineKind.USAGE)
+
+    on_demand = _by_kind(_advise(org))[("on_demand", "")]
+
+    want = {(ln.model, ln.service_tier, ln.token_class): (ln.amount_precise, ln.amount)
+            for ln in usage_lines}
+    assert {(ln.model, ln.service_tier, ln.token_class): (ln.amount_precise, ln.amount)
+            for ln in on_demand.lines} == want
+    assert on_demand.usage == sum(ln.amount for ln in usage_lines) > 0
+    assert len({ln.model for ln in usage_lines}) == 2
+
+
 def test_the_int_path_equals_rating_each_line():
     """Per-token amounts in whole 1e-10 give what ``rounded_lines(exact_lines(...))`` gives,
     for any counts; amounts with more places are refused (rated line by line instead)."""
@@ -294,14 +336,16 @@ def test_the_int_path_equals_rating_each_line():
 
 def test_normalizer_equals_normalized_tokens():
     rng = random.Random(7)
-    for cb, ob in ((D("0"), D("4")), (D("0.25"), D("1.5")), (D("0.123456"), D("3.000001"))):
+    for cb, ob in ((D("0"), D("4")), (D("0.25"), D("1.5")), (D("0.123456"), D("3.000001")),
+                   (D("0.1234567"), D("2"))):  # the last: over 6 places, one by one
         norm = normalizer(cache_burndown=cb, output_burndown=ob)
-        for _ in range(300):
-            p = rng.randrange(100_000)
-            c, o = rng.randrange(p + 1), rng.randrange(50_000)
-            assert norm(p, c, o) == normalized_tokens(prompt_tokens=p, cached_tokens=c,
-                                                      completion_tokens=o, cache_burndown=cb,
-                                                      output_burndown=ob)
+        prompt = [rng.randrange(100_000) for _ in range(300)]
+        cached = [rng.randrange(p + 1) for p in prompt]
+        out = [rng.randrange(50_000) for _ in prompt]
+        got = norm(*(np.array(v, dtype=np.int64) for v in (prompt, cached, out)))
+        assert got.tolist() == [normalized_tokens(
+            prompt_tokens=p, cached_tokens=c, completion_tokens=o, cache_burndown=cb,
+            output_burndown=ob) for p, c, o in zip(prompt, cached, out, strict=True)]
 
 
 def test_credit_replay_books_what_the_ledger_books(db):
