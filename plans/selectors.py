@@ -300,3 +300,23 @@ def list_prices(*, currency: str, models: Iterable[str], at: datetime | None = N
         return {}
     return {row.model: PriceSet.of(row)
             for row in ModelPrice.objects.filter(version=version, model__in=set(models))}
+
+
+def models_first_priced(*, version_models: Iterable[tuple[int, str]]) -> dict[str, datetime]:
+    """Return, for each (price version, model), when the model was first priced in that
+    version's book: the earliest version of the book that lists it (a new version copies the
+    one before, so this is when the model was offered), keyed by model."""
+    pairs = list(version_models)
+    if not pairs:
+        return {}
+    books = dict(PriceVersion.objects.filter(id__in={v for v, _ in pairs})
+                 .values_list("id", "price_book_id"))
+    out: dict[str, datetime] = {}
+    for book_id, model, first in (
+            ModelPrice.objects.filter(version__price_book_id__in=set(books.values()),
+                                      model__in={m for _, m in pairs})
+            .values_list("version__price_book_id", "model")
+            .annotate(first=Min("version__effective_from"))):
+        if any(books.get(v) == book_id and m == model for v, m in pairs):
+            out[model] = first
+    return out

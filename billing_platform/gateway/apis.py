@@ -7,7 +7,6 @@ work (auth cache hit, validation, admission, relay, metering) stays on the event
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from functools import partial, wraps
 from typing import Any
@@ -128,16 +127,16 @@ async def completions(request: GatewayRequest, principal: KeyPrincipal,
                                                         request_id=request_id))
 
 
-def _model_object(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": int(time.time()) // 86400 * 86400,
-            "owned_by": "tollgate"}
+def _model_object(model: services.OfferedModel) -> dict[str, Any]:
+    return {"id": model.id, "object": "model", "created": int(model.created.timestamp()),
+            "owned_by": "tollgate", "endpoints": list(model.endpoints)}
 
 
 @openai_endpoint(methods=("GET",))
 async def models(request: HttpRequest, principal: KeyPrincipal,
                  request_id: str) -> HttpResponse:
-    names = await services.models_for(principal)
-    response = JsonResponse({"object": "list", "data": [_model_object(m) for m in names]})
+    offered = await services.models_for(principal)
+    response = JsonResponse({"object": "list", "data": [_model_object(m) for m in offered]})
     response["x-request-id"] = request_id
     return response
 
@@ -145,8 +144,9 @@ async def models(request: HttpRequest, principal: KeyPrincipal,
 @openai_endpoint(methods=("GET",))
 async def model_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
                        model_id: str) -> HttpResponse:
-    if model_id not in await services.models_for(principal):
+    offered = {m.id: m for m in await services.models_for(principal)}
+    if model_id not in offered:
         raise pipeline.model_not_found(model_id)
-    response = JsonResponse(_model_object(model_id))
+    response = JsonResponse(_model_object(offered[model_id]))
     response["x-request-id"] = request_id
     return response

@@ -23,11 +23,13 @@ from redis.exceptions import RedisError
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import RateLimited
 from billing_platform.gateway import pipeline
+from billing_platform.gateway.db_connections import in_thread
 from billing_platform.gateway.validation import InferenceRequest
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
 from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
 from plans import admission as quota
+from plans import selectors as plan_selectors
 
 # Priority is downgraded when every engine queues this many batches' worth of requests.
 SATURATION_QUEUE_FACTOR = settings.GATEWAY_SATURATION_QUEUE_FACTOR
@@ -52,14 +54,58 @@ class Served:
     close: Callable[[], Awaitable[None]] | None = None
 
 
-async def models_for(principal: KeyPrincipal) -> list[str]:
-    """Return the models this key may use in its organization's data zone."""
+# What every model the fleet serves answers (the engines are chat models; the Batch API runs
+# their lines). An embedding pool would list its own.
+MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/batches")
+
+
+@dataclass(frozen=True)
+class OfferedModel:
+    """A model a key may call: its id, when its organization's price book first priced it,
+    and the endpoints that serve it."""
+
+    id: str
+    created: datetime
+    endpoints: tuple[str, ...] = MODEL_ENDPOINTS
+
+
+_FIRST_PRICED: dict[frozenset[tuple[int, str]], tuple[float, dict[str, datetime]]] = {}
+FIRST_PRICED_TTL_S = 300.0  # a price book's history changes only when a version is added
+
+
+async def _first_priced(pairs: list[tuple[int, str]]) -> dict[str, datetime]:
+    """``plans.selectors.models_first_priced``, kept a few minutes per process (SDKs list
+    models at start-up; this keeps /v1/models off PostgreSQL)."""
+    key, now = frozenset(pairs), time.monotonic()
+    hit = _FIRST_PRICED.get(key)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    value = await in_thread(plan_selectors.models_first_priced)(version_models=pairs)
+    if len(_FIRST_PRICED) >= 1024:
+        _FIRST_PRICED.clear()
+    _FIRST_PRICED[key] = (now + FIRST_PRICED_TTL_S, value)
+    return value
+
+
+async def models_for(principal: KeyPrincipal) -> list[OfferedModel]:
+    """Return the models this key may use in its organization's data zone, as
+    ``placement_resolve`` would serve them: a model with no price in force for the
+    organization is not offered (a request for it would be refused)."""
     fleet = get_fleet()
     await fleet.arefresh_if_stale()
     zone = fleet.regions_in_zone(principal.data_zone)
-    return sorted(m for m in fleet.router.models()
-                  if principal.may_use_model(m)
-                  and (zone is None or fleet.router.regions_of(m) & zone))
+    names = sorted(m for m in fleet.router.models()
+                   if principal.may_use_model(m)
+                   and (zone is None or fleet.router.regions_of(m) & zone))
+    priced = []
+    for model in names:  # the cached policies: no query per model
+        policy = await quota.apolicy(org_id=principal.org_id, project_id=principal.project_id,
+                                     key_id=principal.key_id, model=model)
+        if policy.pricing is not None:
+            priced.append((policy.pricing.version_id, model))
+    first = await _first_priced(priced)
+    never = datetime.fromtimestamp(0, UTC)  # (a priced model always has a first price)
+    return [OfferedModel(model, first.get(model, never)) for _, model in priced]
 
 
 async def rate_headers_now(principal: KeyPrincipal) -> dict[str, str]:

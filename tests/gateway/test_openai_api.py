@@ -150,6 +150,42 @@ def test_models_are_those_of_the_callers_zone(live_gateway, tmp_path):
         big.stop()
 
 
+def test_models_list_only_priced_models_with_when_they_were_first_priced(live_gateway):
+    """/v1/models offers what a request would be served: a model an engine runs but the
+    organization's price book does not price is not listed (and is refused), and each listed
+    model's ``created`` is when its book first priced it, whatever versions came later."""
+    from datetime import UTC, datetime
+
+    from plans import services as plan_services
+    from plans.models import PriceBook
+    from tests.factories import PRICES_FROM
+
+    book = PriceBook.objects.get(is_default=True, currency="USD")
+    plan_services.price_version_create(  # a later version (copies the first): same "created"
+        price_book=book, effective_from=datetime(2026, 3, 1, tzinfo=UTC), allow_backdate=True,
+        prices=[{"model": "small", "input": "0.40", "output": "1.20"}])
+    free = start_sim(served_model_name="unpriced", **FAST_RATES)
+    try:
+        register_engine(free, pool="unpriced-us", region="us-east", zone="us")
+        _k, secret = _key()
+        client = _client(live_gateway, secret)
+        refused = wait_until(lambda: "no price in force" in _not_found(client, "unpriced")
+                             .message and _not_found(client, "unpriced"), timeout=5,
+                             what="fleet refresh")
+        assert refused.code == "model_not_found"
+
+        listed = {m.id: m for m in client.models.list()}
+        assert "unpriced" not in listed and "small" in listed
+        assert listed["small"].created == int(PRICES_FROM.timestamp())
+        assert listed["small"].model_extra["endpoints"] == [
+            "/v1/chat/completions", "/v1/completions", "/v1/batches"]
+        assert client.models.retrieve("small").created == listed["small"].created
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("unpriced")
+    finally:
+        free.stop()
+
+
 def _not_found(client: openai.OpenAI, model: str) -> openai.NotFoundError:
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
