@@ -110,18 +110,6 @@ def signup(request: HttpRequest) -> HttpResponse:
     return render(request, "console/signup.html", {"form": form})
 
 
-@org_page()
-def dashboard(request: HttpRequest, access: OrgAccess) -> HttpResponse:
-    org = access.organization
-    context = {
-        "orgs": organizations_for_user(user=cast(User, request.user)),  # signed in
-        "projects": org.projects.order_by("created_at"),
-        "active_keys": ApiKey.objects.filter(organization=org, revoked_at__isnull=True).count(),
-        "members": org.memberships.count(),
-    }
-    return render(request, "console/dashboard.html", context)
-
-
 @login_required
 @require_POST
 def switch_org(request: HttpRequest) -> HttpResponse:
