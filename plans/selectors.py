@@ -18,6 +18,7 @@ from metering.selectors import usage_events_outside_regions
 from plans.choices import PlanKind, ReservationTerm
 from plans.models import (
     CreditGrant,
+    CreditPack,
     CreditPackPurchase,
     ModelPrice,
     Plan,
@@ -54,6 +55,23 @@ def plans_visible(*, staff: bool) -> QuerySet[Plan]:
     plans = Plan.objects.select_related("price_book").prefetch_related(
         "coefficients", "credit_packs").order_by("code")
     return plans if staff else plans.filter(is_public=True, is_active=True)
+
+
+def plans_offered(*, currency: str) -> QuerySet[Plan]:
+    """Return the plans a customer invoiced in ``currency`` may choose itself (public,
+    active, in that currency: a plan fee in another currency would never be invoiced)."""
+    return plans_visible(staff=False).filter(currency=currency.upper())
+
+
+def credit_packs_offered(*, plan: Plan) -> QuerySet[CreditPack]:
+    """Return the credit packs on sale for a plan, smallest first."""
+    return CreditPack.objects.filter(plan=plan, is_active=True).order_by("credits", "code")
+
+
+def pack_purchases_of(*, subscription: Subscription) -> QuerySet[CreditPackPurchase]:
+    """Return a subscription's credit-pack purchases, newest first."""
+    return (CreditPackPurchase.objects.filter(subscription=subscription)
+            .select_related("pack").order_by("-purchased_at", "-id"))
 
 
 def offerings_visible(*, staff: bool) -> QuerySet[ProvisionedOffering]:

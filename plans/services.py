@@ -373,6 +373,57 @@ def subscription_cancel(*, subscription: Subscription, at: datetime | None = Non
     return subscription
 
 
+def subscription_change(*, subscription: Subscription, plan: Plan,
+                        at: datetime | None = None, acting_user: Any) -> Subscription:
+    """Move an organization from ``subscription`` to ``plan`` at ``at`` (default now).
+
+    One transaction: the old subscription ends at ``at``, the new one starts then (its own
+    billing anchor, as ``subscription_create`` sets it), and unused, unexpired credit-pack
+    credits move to it when the new plan is a token plan (credits bought are the customer's,
+    not the old plan's). Invoices prorate both by time
+    (``selectors.subscription_months_in_period``). One audit row, ``subscription.change``.
+    """
+    at = _aware(at or timezone.now(), "at")
+    if plan.pk == subscription.plan_id:
+        raise InvalidRequest("The organization is already on this plan.", param="plan")
+    if not plan.is_active:
+        raise InvalidRequest("This plan is no longer offered.", param="plan")
+    with transaction.atomic():
+        org = Organization.objects.select_for_update().get(pk=subscription.organization_id)
+        subscription.refresh_from_db()  # under the organization's lock
+        if plan.currency != org.currency:
+            raise InvalidRequest(f"This plan is billed in {plan.currency}; the organization "
+                                 f"is invoiced in {org.currency}.", param="plan")
+        if not subscription.covers(at) or at <= subscription.starts_at:
+            raise InvalidRequest("The subscription is not in force at that time.",
+                                 param="subscription")
+        if Subscription.objects.filter(organization=org,
+                                       starts_at__gt=subscription.starts_at).exists():
+            raise Conflict("A later subscription is scheduled; cancel it first.",
+                           param="subscription")
+        old_plan, old_ends = subscription.plan, subscription.ends_at
+        subscription.ends_at = at
+        subscription.save(update_fields=["ends_at"])
+        new = Subscription.objects.create(
+            organization=org, plan=plan, starts_at=at, billing_anchor=at,
+            data_zone=subscription.data_zone)
+        moved: list[str] = []
+        if plan.kind == PlanKind.TOKEN_PLAN:
+            packs = (CreditPackPurchase.objects
+                     .filter(subscription=subscription, credits_used__lt=F("credits"))
+                     .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=at)))
+            moved = sorted(packs.values_list("public_id", flat=True))
+            packs.update(subscription=new)
+        audit_record(acting_user=acting_user, organization=org, action="subscription.change",
+                     target=new.public_id,
+                     before={"subscription": subscription.public_id, "plan": old_plan.code,
+                             "ends_at": old_ends},
+                     after=audit_snapshot(new) | {"plan": plan.code,
+                                                  "ended": subscription.public_id,
+                                                  "credit_packs_moved": moved})
+        return new
+
+
 def credit_pack_purchase(*, subscription: Subscription, pack: CreditPack,
                          at: datetime | None = None, acting_user: Any = None
                          ) -> CreditPackPurchase:
