@@ -43,6 +43,8 @@ from metering.choices import (
 from metering.events import MAX_KEY
 
 _amount = decimal_field_maker(max_digits=28, decimal_places=10)
+# a month of an organization's hourly amounts: room for 10,000 x an hour's largest
+_month_amount = decimal_field_maker(max_digits=32, decimal_places=10)
 _gpu_seconds = decimal_field_maker(max_digits=24, decimal_places=6)  # exact to the microsecond
 _rate = decimal_field_maker(max_digits=24, decimal_places=6)
 _M = TypeVar("_M", bound=models.Model)
@@ -183,6 +185,49 @@ class UsageRollupHourly(models.Model):
 
     def __str__(self) -> str:
         return f"{self.organization_id} {self.model} {self.hour:%Y-%m-%d %H}:00"
+
+
+class UsageRollupMonthly(models.Model):
+    """The hourly rollups of one calendar month (UTC) summed per organization and dimension.
+
+    Kept by the database, not by Python: statement triggers on ``usage_rollup_hourly``
+    (metering migration 0009) add every INSERT's, UPDATE's (ingest's ``ON CONFLICT DO
+    UPDATE`` included) and DELETE's change in the statement itself, and a TRUNCATE empties
+    it, so every writer of rollups keeps it equal to them. ``rollups`` counts the hourly rows
+    summed: a key whose rollups were all deleted is no row to its readers
+    (``rollups > 0``), as it is none of the rollups'. Amounts keep 10 places in ``currency``;
+    what the rollups also carry (errors, normalized tokens, cost-to-serve) is not summed here.
+    """
+
+    organization = _fk(Organization)
+    month = models.DateTimeField(help_text="Start of the UTC calendar month.")
+    model = models.CharField(max_length=200)
+    region = models.CharField(max_length=64)
+    service_tier = models.CharField(max_length=16, choices=ServiceTier.choices)
+    capacity_source = models.CharField(max_length=16, choices=CapacitySource.choices)
+    currency = models.CharField(max_length=3)
+    rollups = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    input_amount = _month_amount(default=Decimal("0"))
+    cached_input_amount = _month_amount(default=Decimal("0"))
+    output_amount = _month_amount(default=Decimal("0"))
+
+    class Meta:
+        db_table = "usage_rollup_monthly"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["organization", "month", "model", "region", "service_tier",
+                        "capacity_source", "currency"],
+                name="usage_rollup_monthly_key"),
+        ]
+        # every org's months from one on (accrued revenue), without reading older months
+        indexes = [models.Index(fields=["month"], name="usage_rollup_monthly_month")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} {self.model} {self.month:%Y-%m}"
 
 
 class UsageLateHour(models.Model):

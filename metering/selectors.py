@@ -9,7 +9,7 @@ tables they read. Split it into a package by table when another family of reads 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -269,10 +269,31 @@ def usage_sums_for_periods(*, periods: Sequence[tuple[int, datetime, datetime]]
         return [PeriodUsage._make(row) for row in cur]
 
 
+# Many organizations' instants go in as text: psycopg quotes array elements one by one (with
+# 10,000 orgs that cost more than the queries), and most orgs share their instants (calendar
+# months, one period close's time), so each distinct instant is sent once with every org's
+# index into them.
+def _joined(values: Iterable[int]) -> str:
+    """Return ints comma-joined (SQL: ``string_to_array(%s, ',')::bigint[]``)."""
+    return ",".join(map(str, values))
+
+
+def _instants(*columns: Iterable[datetime]) -> tuple[list[datetime], list[str]]:
+    """Return the distinct instants of ``columns`` and, per column, its values' 1-based
+    indexes into them, comma-joined (SQL: ``(%s::timestamptz[])[i]``)."""
+    distinct: dict[datetime, int] = {}
+    joined = [",".join([str(distinct.setdefault(at, len(distinct) + 1)) for at in column])
+              for column in columns]
+    return list(distinct), joined
+
+
 _LATE_HOURS_SQL = """
 SELECT m.organization_id, m.hour
-  FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, since)
-  JOIN usage_late_hour m ON m.organization_id = t.org AND m.recorded_at >= t.since
+  FROM (SELECT %s::timestamptz[] AS at) a,
+       unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, ',')::int[])
+       AS t(org, since)
+  JOIN usage_late_hour m ON m.organization_id = t.org
+ WHERE m.recorded_at >= a.at[t.since]
  ORDER BY 1, 2
 """
 
@@ -285,10 +306,10 @@ def usage_late_hours(*, since: Mapping[int, datetime]) -> dict[int, list[datetim
     """
     if not since:
         return {}
-    orgs = list(since)
+    instants, (index,) = _instants(since.values())
     out: dict[int, list[datetime]] = {}
     with connection.cursor() as cur:
-        cur.execute(_LATE_HOURS_SQL, [orgs, [since[o] for o in orgs]])
+        cur.execute(_LATE_HOURS_SQL, [instants, _joined(since), index])
         for org, hour in cur:
             out.setdefault(org, []).append(hour)
     return out
@@ -399,38 +420,64 @@ class UsageSince(NamedTuple):
     output_amount: Decimal
 
 
-# Whole hours from the rollups (their org-and-hour index range from the first whole hour on),
-# the hour an instant cuts from its events. One small aggregate per organization (LATERAL, so
-# each reads its own index range instead of one hash join over every rollup row), then those
-# summed by bucket and dimensions, so the result is small whatever the number of orgs.
+# Three sources for each org's usage from its instant ``since`` on, where ``hs`` is its first
+# whole hour and ``ms`` its first calendar month start at or after ``hs``: the month rows of
+# ``usage_rollup_monthly`` from ``ms`` on (kept by the database from the hourly rollups,
+# migration 0009: a few rows per org and dimension a month instead of ~60 hourly ones), the
+# hourly rollups of [hs, ms) (a non-calendar anchor's first partial month; none for a period
+# that starts on the 1st at 00:00), and the events of [since, hs) (none when it starts on the
+# hour). Every event lies in exactly one of them, to the microsecond. Instants come once each
+# (``s``, most orgs share one) with an org's index into them, so the bounds are computed per
+# instant and picked per org by subscript (a join would hide from the planner that there is
+# a row per org). The month rows are one hash join of the months from the earliest ``ms`` on;
+# the hours and events read each org's own index range (LATERAL), only for the orgs whose
+# instant needs them. All summed by bucket and dimensions, so the result is small whatever the
+# number of orgs.
 _SINCE_SQL = f"""
-WITH t AS (
-    SELECT org, since, {_HOUR_CEIL.format("since")} AS hs,
-           date_trunc(%s, since, 'UTC') AS bucket
-      FROM unnest(%s::bigint[], %s::timestamptz[]) AS t(org, since)
+WITH s AS (
+    SELECT array_agg(s.since ORDER BY s.i) AS since, array_agg(s.hs ORDER BY s.i) AS hs,
+           array_agg(s.bucket ORDER BY s.i) AS bucket,
+           array_agg(CASE WHEN date_trunc('month', s.hs, 'UTC') = s.hs THEN s.hs
+                          ELSE (date_trunc('month', s.hs AT TIME ZONE 'UTC')
+                                + interval '1 month') AT TIME ZONE 'UTC' END
+                     ORDER BY s.i) AS ms
+      FROM (SELECT i, since, {_HOUR_CEIL.format("since")} AS hs,
+                   date_trunc(%s, since, 'UTC') AS bucket
+              FROM unnest(%s::timestamptz[]) WITH ORDINALITY AS s(since, i)) s
+), t AS (
+    SELECT u.org, s.since[u.i] AS since, s.hs[u.i] AS hs, s.ms[u.i] AS ms,
+           s.bucket[u.i] AS bucket
+      FROM s, unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, ',')::int[])
+           AS u(org, i)
 )
-SELECT t.bucket, a.model, a.region, a.service_tier, a.capacity_source, a.currency,
-       SUM(a.input_tokens), SUM(a.cached_tokens), SUM(a.output_tokens), SUM(a.input_amount),
-       SUM(a.cached_input_amount), SUM(a.output_amount)
-  FROM t CROSS JOIN LATERAL (
-        SELECT {_DIMS}, SUM(prompt_tokens - cached_tokens) AS input_tokens,
-               SUM(cached_tokens) AS cached_tokens, SUM(completion_tokens) AS output_tokens,
-               SUM(input_amount) AS input_amount,
-               SUM(cached_input_amount) AS cached_input_amount,
-               SUM(output_amount) AS output_amount
-          FROM (SELECT r.{_DIMS.replace(", ", ", r.")}, r.prompt_tokens, r.cached_tokens,
+SELECT a.bucket, a.model, a.region, a.service_tier, a.capacity_source, a.currency,
+       SUM(a.prompt_tokens - a.cached_tokens), SUM(a.cached_tokens),
+       SUM(a.completion_tokens), SUM(a.input_amount), SUM(a.cached_input_amount),
+       SUM(a.output_amount)
+  FROM (SELECT t.bucket, m.{_DIMS.replace(", ", ", m.")}, m.prompt_tokens, m.cached_tokens,
+               m.completion_tokens, m.input_amount, m.cached_input_amount, m.output_amount
+          FROM usage_rollup_monthly m JOIN t ON t.org = m.organization_id AND m.month >= t.ms
+         WHERE m.rollups > 0
+           AND m.month >= (SELECT min(ms) FROM (SELECT unnest(ms) AS ms FROM s) b)
+        UNION ALL
+        SELECT t.bucket, r.*
+          FROM t CROSS JOIN LATERAL (
+                SELECT r.{_DIMS.replace(", ", ", r.")}, r.prompt_tokens, r.cached_tokens,
                        r.completion_tokens, r.input_amount, r.cached_input_amount,
                        r.output_amount
                   FROM usage_rollup_hourly r
-                 WHERE r.organization_id = t.org AND r.hour >= t.hs
-                UNION ALL
+                 WHERE r.organization_id = t.org AND r.hour >= t.hs AND r.hour < t.ms) r
+         WHERE t.hs < t.ms
+        UNION ALL
+        SELECT t.bucket, e.*
+          FROM t CROSS JOIN LATERAL (
                 SELECT e.{_DIMS.replace(", ", ", e.")}, e.prompt_tokens, e.cached_tokens,
                        e.completion_tokens, {_EVENT_CLASS_SQL}
                   FROM usage_event e
-                 WHERE t.since < t.hs AND e.organization_id = t.org
-                   AND e.event_time >= t.since AND e.event_time < t.hs) x
-         WHERE %s::text IS NULL OR currency = %s::text
-         GROUP BY 1, 2, 3, 4, 5) a
+                 WHERE e.organization_id = t.org AND e.event_time >= t.since
+                   AND e.event_time < t.hs) e
+         WHERE t.since < t.hs) a
+ WHERE %s::text IS NULL OR a.currency = %s::text
  GROUP BY 1, 2, 3, 4, 5, 6
 """  # noqa: S608 (only our own column names are interpolated)
 
@@ -450,19 +497,21 @@ def usage_sums_since(*, since: Mapping[int, datetime], unit: str = "month",
         raise ValueError(f"unit must be one of {sorted(BUCKET_UNITS)}")
     if not since:
         return []
-    orgs = list(since)
+    instants, (index,) = _instants(since.values())
     with connection.cursor() as cur:
-        cur.execute(_SINCE_SQL, [unit, orgs, [since[o] for o in orgs], currency, currency])
+        cur.execute(_SINCE_SQL, [unit, instants, _joined(since), index, currency, currency])
         return [UsageSince._make(row) for row in cur]
 
 
 _RECORDED_AFTER_SQL = """
 SELECT t.org
-  FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::timestamptz[])
+  FROM (SELECT %s::timestamptz[] AS at) a,
+       unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, ',')::int[],
+              string_to_array(%s, ',')::int[], string_to_array(%s, ',')::int[])
        AS t(org, lo, hi, since)
  WHERE EXISTS (SELECT 1 FROM usage_event e
-                WHERE e.organization_id = t.org AND e.event_time >= t.lo
-                  AND e.event_time < t.hi AND e.recorded_at >= t.since)
+                WHERE e.organization_id = t.org AND e.event_time >= a.at[t.lo]
+                  AND e.event_time < a.at[t.hi] AND e.recorded_at >= a.at[t.since])
 """
 
 
@@ -470,11 +519,13 @@ def usage_recorded_after(*, windows: Sequence[tuple[int, datetime, datetime, dat
                          ) -> set[int]:
     """Return the orgs of ``windows`` (org, start, end, since) that have an event with an event
     time in [start, end) recorded at or after ``since``. One query (one index probe each)."""
+    windows = [w for w in windows if w[1] < w[2]]  # an empty range holds no event
     if not windows:
         return set()
-    columns = list(zip(*windows, strict=True))
+    orgs, *times = zip(*windows, strict=True)
+    instants, index = _instants(*times)
     with connection.cursor() as cur:
-        cur.execute(_RECORDED_AFTER_SQL, [list(c) for c in columns])
+        cur.execute(_RECORDED_AFTER_SQL, [instants, _joined(orgs), *index])
         return {org for (org,) in cur}
 
 
