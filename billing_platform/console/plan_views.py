@@ -35,6 +35,8 @@ from django.views.decorators.http import require_POST
 from billing_platform.accounts.models import Organization, User
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console import forms
+from billing_platform.console.templatetags.credits import credits
+from billing_platform.console.templatetags.money import money
 from billing_platform.console.views import org_page
 from billing_platform.errors import Conflict, DomainError, InvalidRequest
 from billing_platform.idempotency.services import idempotent_call
@@ -160,8 +162,9 @@ def _advice(organization: Organization) -> PlanAdvice | None:
 def _pack_choices(sub: Subscription | None) -> list[tuple[str, str]]:
     if sub is None:
         return []
-    return [(p.code, f"{p.name}: {p.credits.normalize():,f} credits for {p.price} "
-                     f"{sub.plan.currency}") for p in credit_packs_offered(plan=sub.plan)]
+    currency = sub.plan.currency
+    return [(p.code, f"{p.name} ({credits(p.credits)} credits, {money(p.price, currency)})")
+            for p in credit_packs_offered(plan=sub.plan)]
 
 
 def _plan_page(request: HttpRequest, access: OrgAccess, *,
@@ -216,8 +219,8 @@ def pack_buy(request: HttpRequest, access: OrgAccess, sub_id: str) -> HttpRespon
         def buy() -> str:
             purchase = services.credit_pack_purchase(subscription=sub, pack=pack,
                                                      acting_user=request.user)
-            return (f"Bought {pack.name}: {purchase.credits.normalize():,f} credits; "
-                    f"{purchase.price} {purchase.currency} on your next invoice.")
+            return (f"Bought {pack.name}: {credits(purchase.credits)} credits; "
+                    f"{money(purchase.price, purchase.currency)} on your next invoice.")
 
         if _run_once(request, form, operation=["credit_pack.purchase", access.organization
                                                .public_id, sub.public_id, pack.code], call=buy):
