@@ -37,7 +37,7 @@ from django.db.backends.utils import CursorWrapper
 
 from billing_platform.invoicing.builder import Target, late_usage_of
 from billing_platform.invoicing.models import Invoice
-from billing_platform.invoicing.selectors import periods_open
+from billing_platform.invoicing.selectors import EpochInstants, EpochUs, periods_open
 from metering.selectors import (
     BUCKET_UNITS,
     usage_late_hours,
@@ -283,15 +283,22 @@ def unbilled_usage(*, org_ids: Sequence[int] | None = None, unit: str = "month",
 # recorded (its transaction began) at most this long before it.
 INGEST_TXN_MARGIN = timedelta(hours=1)
 _HOUR = timedelta(hours=1)
+_US = EpochUs.template.replace("%(expressions)s", "{}")  # in raw SQL
 
-# (index invoice_org_last_final: each org's newest finalized invoice first, no sort)
-_LAST_CLOSED_SQL = """
-SELECT DISTINCT ON (i.organization_id) i.organization_id, i.period_start, i.period_end,
-       i.currency, LEAST(i.created_at, COALESCE(i.finalized_at, i.created_at))
-  FROM invoicing_invoice i
- WHERE i.kind = 'invoice' AND i.status <> 'draft'{where}
- ORDER BY i.organization_id, i.period_end DESC
-"""
+# Each org's newest finalized invoice: one probe of index invoice_org_last_final per org (a
+# DISTINCT ON over every invoice grows with history: 4x slower at 10,000 orgs x 11 months);
+# instants as ``EpochUs`` (Django's timestamp loader is the dearer part of 10,000 rows).
+_LAST_CLOSED_SQL = f"""
+SELECT u.org, {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.currency,
+       {_US.format("LEAST(l.created_at, COALESCE(l.finalized_at, l.created_at))")}
+  FROM unnest(string_to_array(%s, ',')::bigint[]) AS u(org)
+  CROSS JOIN LATERAL (
+        SELECT i.period_start, i.period_end, i.currency, i.created_at, i.finalized_at
+          FROM invoicing_invoice i
+         WHERE i.organization_id = u.org AND i.kind = 'invoice' AND i.status <> 'draft'
+         ORDER BY i.period_end DESC
+         LIMIT 1) l
+"""  # noqa: S608 (only our own SQL fragments are interpolated)
 
 
 def _late_candidates(targets: Sequence[Target]) -> list[tuple[int, datetime, datetime, str]]:
@@ -309,19 +316,14 @@ def _late_candidates(targets: Sequence[Target]) -> list[tuple[int, datetime, dat
     lookback again as period close does (that was most of the revenue report's time); the
     periods found are then compared with the ledger by the builder's own ``late_usage_of``.
     """
-    last = {}
-    wanted = {t.org_id for t in targets}
-    # every organization: read them all in index order rather than probe 10,000 ids
-    every = len(wanted) > 1000
     with connection.cursor() as cur:
-        cur.execute(_LAST_CLOSED_SQL.format(
-            where="" if every else " AND i.organization_id = ANY(%s)"),
-            [] if every else [sorted(wanted)])
-        for org, ps, pe, currency, closed in cur:
-            if org in wanted:
-                last[org] = (ps, pe, currency, closed - INGEST_TXN_MARGIN)
-    if not last:
+        cur.execute(_LAST_CLOSED_SQL, [",".join(str(t.org_id) for t in targets)])
+        rows = cur.fetchall()
+    if not rows:
         return []
+    at = EpochInstants()
+    last = {org: (at[ps], at[pe], currency, at[closed] - INGEST_TXN_MARGIN)
+            for org, ps, pe, currency, closed in rows}
     found = {(org, ps, pe, currency) for org in usage_recorded_after(windows=[
         (org, max(ps, since - 2 * _HOUR), pe, since)
         for org, (ps, pe, _, since) in last.items()])
