@@ -87,6 +87,12 @@ class ChangePreview:
         return self.total_after - self.total_before
 
     @property
+    def later_period(self) -> bool:
+        """True when the invoice still open is of a period that ended before ``at`` (not
+        closed yet): the change is billed on the invoice after it."""
+        return self.period_end <= self.at
+
+    @property
     def expected(self) -> str:
         """The fees the confirm form carries: each plan-fee line's billed amount."""
         return ",".join(str(ln.amount) for ln in self.after)
@@ -239,6 +245,8 @@ def _change_page(request: HttpRequest, access: OrgAccess, *, sub: Subscription |
         form.add_error(None, exc.message)
         status = 400
     else:
+        for error in form.non_field_errors():  # a bound form's (a damaged key): say it
+            messages.error(request, str(error))
         form = type(form)(initial={"plan": target.code if target else "",
                                    "expected": preview.expected},
                           **({"plans": _plan_choices(org)} if target else {}))

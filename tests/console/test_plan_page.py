@@ -232,6 +232,19 @@ def test_the_preview_of_an_upgrade_is_the_prorated_fees_the_invoice_bills(book):
     assert row.after["ended"] == sub.public_id and row.target == new.public_id
 
 
+def test_a_preview_while_the_last_period_is_not_closed_says_so(book):
+    """October has ended but is not closed: the open invoice is October's, which a change on
+    Nov 5 does not touch (Basic covers all of October either way)."""
+    basic, pro = _plans()
+    org = make_billed_org(name="Late Co", created_at=OCT)
+    sub = services.subscription_create(organization=org, plan=basic, starts_at=OCT)
+    preview = change_preview(organization=org, at=OCT.replace(month=11, day=5), change=(
+        lambda at: services.subscription_change(subscription=sub, plan=pro, at=at,
+                                                acting_user=None)))
+    assert preview.later_period and (preview.period_start, preview.period_end) == (OCT, NOV)
+    assert preview.fees_before == preview.fees_after == D("10.00")
+
+
 def test_a_change_moves_unused_pack_credits_and_refuses_what_it_cannot_do(book):
     basic, pro = _plans()
     org = make_billed_org(name="Packs Co", created_at=OCT)
@@ -318,6 +331,22 @@ def test_upgrade_then_cancel_through_the_console(world, client):
     # and subscribing again from nothing
     _confirm(client, "/console/plan/subscribe/?plan=basic", {"plan": "basic"})
     assert Subscription.objects.get(organization=org, ends_at__isnull=True).plan.code == "basic"
+
+
+def test_a_damaged_confirm_form_is_a_message_and_changes_nothing(world, client):
+    _org, sub, owner, _ = world
+    client.force_login(owner)
+    reply = client.post(f"/console/plan/{sub.public_id}/change/", {"plan": "pro",
+                                                                    "expected": ""})
+    assert reply.status_code == 400
+    assert "This form is out of date or damaged" in reply.content.decode()
+    assert 'id="preview"' in reply.content.decode()  # previewed again, with a new form
+    reply = client.post(f"/console/plan/{sub.public_id}/cancel/", {"expected": "1.00"})
+    assert reply.status_code == 400
+    assert "This form is out of date or damaged" in reply.content.decode()
+    assert Subscription.objects.get(pk=sub.pk).ends_at is None
+    assert not AuditEvent.objects.filter(action__startswith="subscription.",
+                                         actor_user_id=owner.pk).exists()
 
 
 def test_unknown_plans_are_a_message(world, client):
