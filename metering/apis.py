@@ -16,6 +16,7 @@ the user belongs to exactly one).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, cast
@@ -243,7 +244,7 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def _filter_values(params: dict[str, Any], name: str) -> tuple[str, ...]:
+def _filter_values(params: Mapping[str, Any], name: str) -> tuple[str, ...]:
     """Return a comma-separated filter's values; refuse more than one request may list."""
     values = tuple(dict.fromkeys(_csv(params.get(name))))
     most = conf.usage_api_max_filter_values()
@@ -283,7 +284,8 @@ def _bucket_json(bucket: UsageBucket) -> dict[str, Any]:
     return out
 
 
-def _totals(buckets: list[UsageBucket]) -> list[UsageBucket]:
+def usage_totals(buckets: list[UsageBucket]) -> list[UsageBucket]:
+    """Return the sums of buckets per currency (amounts of two currencies are never added)."""
     per_currency: dict[str, UsageBucket] = {}
     for b in buckets:
         t = per_currency.setdefault(b.currency, UsageBucket(group={}, currency=b.currency))
@@ -307,6 +309,7 @@ class UsageApi(APIView):
             OpenApiParameter("key", str, description="Comma-separated API key ids."),
             OpenApiParameter("model", str, description="Comma-separated model names."),
             OpenApiParameter("service_tier", str, description="Comma-separated tiers."),
+            OpenApiParameter("region", str, description="Comma-separated regions."),
             OpenApiParameter("group_by", str, description="Comma-separated: "
                              + ", ".join(GROUPS)),
         ],
@@ -325,48 +328,85 @@ class UsageApi(APIView):
         params = q.validated_data
         caller = _caller(request, params.get("organization"), write=False)
         org = caller.organization
-        now = timezone.now()
-        start = (_parse_bound(params["start"], "start") if params.get("start")
-                 else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0))
-        end = (_parse_bound(params["end"], "end") if params.get("end")
-               else now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1))
-        if end <= start:
-            raise InvalidRequest("end must be after start.", param="end")
-        group_by = tuple(dict.fromkeys(_csv(params.get("group_by"))))
-        unknown = [g for g in group_by if g not in GROUPS]
-        if unknown:
-            raise InvalidRequest(f"Cannot group by {', '.join(unknown)}; choose from "
-                                 f"{', '.join(GROUPS)}.", param="group_by")
-        _refuse_unbounded(start, end, group_by)
-
-        project_ids = _lookup(Project, org, _filter_values(params, "project"), "project")
-        if caller.only_project_id is not None:
-            if project_ids and set(project_ids) != {caller.only_project_id}:
-                raise NotFound("No such project.")
-            project_ids = (caller.only_project_id,)
-        key_ids = _lookup(ApiKey, org, _filter_values(params, "key"), "key",
-                          project_id=caller.only_project_id)
-        max_groups = conf.usage_api_max_groups()
-        buckets = usage_summary(
-            usage_filter=UsageFilter(
-                org_id=org.id, start=start, end=end, project_ids=project_ids,
-                api_key_ids=key_ids, models=_filter_values(params, "model"),
-                service_tiers=_filter_values(params, "service_tier"),
-            ),
-            group_by=group_by, limit=max_groups + 1,
-        )
-        if len(buckets) > max_groups:
-            raise InvalidRequest(
-                f"This query makes more than {max_groups} groups; one answer holds at most "
-                f"{max_groups}. Shorten the range, filter, or group by fewer dimensions.",
-                param="group_by", code="usage_too_many_groups")
+        query = usage_query(params, organization=org, only_project_id=caller.only_project_id,
+                            now=timezone.now())
+        buckets = usage_buckets(query)
         out = {
-            "object": "usage", "organization": org.public_id, "start": start, "end": end,
-            "group_by": list(group_by),
+            "object": "usage", "organization": org.public_id, "start": query.start,
+            "end": query.end, "group_by": list(query.group_by),
             "data": [_bucket_json(b) for b in buckets],
-            "totals": [_bucket_json(t) for t in _totals(buckets)],
+            "totals": [_bucket_json(t) for t in usage_totals(buckets)],
         }
         return Response(s.UsageSummarySerializer(out).data)
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    """A usage read, validated and bounded: what to sum and how to group it."""
+
+    usage_filter: UsageFilter
+    group_by: tuple[str, ...]
+
+    @property
+    def start(self) -> datetime:
+        return self.usage_filter.start
+
+    @property
+    def end(self) -> datetime:
+        return self.usage_filter.end
+
+
+def usage_query(params: Mapping[str, Any], *, organization: Organization,
+                only_project_id: int | None, now: datetime) -> UsageQuery:
+    """Return the usage read that ``GET /api/v1/usage``'s parameters ask of an organization.
+
+    ``params`` are ``UsageQuerySerializer``'s validated data. The console's usage explorer
+    reads through here too, so its ranges, filters, bounds and messages are the API's. Raises
+    ``InvalidRequest`` (naming the parameter) for a malformed or unbounded read, or an id that
+    is not the organization's; ``NotFound`` for a project a project-bound key may not read.
+    """
+    start = (_parse_bound(params["start"], "start") if params.get("start")
+             else now.replace(day=1, hour=0, minute=0, second=0, microsecond=0))
+    end = (_parse_bound(params["end"], "end") if params.get("end")
+           else now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1))
+    if end <= start:
+        raise InvalidRequest("end must be after start.", param="end")
+    group_by = tuple(dict.fromkeys(_csv(params.get("group_by"))))
+    unknown = [g for g in group_by if g not in GROUPS]
+    if unknown:
+        raise InvalidRequest(f"Cannot group by {', '.join(unknown)}; choose from "
+                             f"{', '.join(GROUPS)}.", param="group_by")
+    _refuse_unbounded(start, end, group_by)
+
+    project_ids = _lookup(Project, organization, _filter_values(params, "project"), "project")
+    if only_project_id is not None:
+        if project_ids and set(project_ids) != {only_project_id}:
+            raise NotFound("No such project.")
+        project_ids = (only_project_id,)
+    key_ids = _lookup(ApiKey, organization, _filter_values(params, "key"), "key",
+                      project_id=only_project_id)
+    return UsageQuery(
+        usage_filter=UsageFilter(
+            org_id=organization.id, start=start, end=end, project_ids=project_ids,
+            api_key_ids=key_ids, models=_filter_values(params, "model"),
+            service_tiers=_filter_values(params, "service_tier"),
+            regions=_filter_values(params, "region"),
+        ),
+        group_by=group_by,
+    )
+
+
+def usage_buckets(query: UsageQuery) -> list[UsageBucket]:
+    """Return the sums a usage read answers; ``InvalidRequest`` past the groups bound."""
+    max_groups = conf.usage_api_max_groups()
+    buckets = usage_summary(usage_filter=query.usage_filter, group_by=query.group_by,
+                            limit=max_groups + 1)
+    if len(buckets) > max_groups:
+        raise InvalidRequest(
+            f"This query makes more than {max_groups} groups; one answer holds at most "
+            f"{max_groups}. Shorten the range, filter, or group by fewer dimensions.",
+            param="group_by", code="usage_too_many_groups")
+    return buckets
 
 
 def _lookup(model: type[Project | ApiKey], org: Organization, public_ids: tuple[str, ...],

@@ -57,6 +57,7 @@ class UsageFilter:
     api_key_ids: tuple[int, ...] = ()
     models: tuple[str, ...] = ()
     service_tiers: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
 
 
 @dataclass
@@ -92,6 +93,8 @@ def _rollups(f: UsageFilter) -> QuerySet[UsageRollupHourly]:
         qs = qs.filter(model__in=f.models)
     if f.service_tiers:
         qs = qs.filter(service_tier__in=f.service_tiers)
+    if f.regions:
+        qs = qs.filter(region__in=f.regions)
     return qs
 
 

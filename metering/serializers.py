@@ -103,6 +103,7 @@ class UsageQuerySerializer(serializers.Serializer):
     key = serializers.CharField(required=False, help_text="Comma-separated API key ids.")
     model = serializers.CharField(required=False, help_text="Comma-separated model names.")
     service_tier = serializers.CharField(required=False, help_text="Comma-separated tiers.")
+    region = serializers.CharField(required=False, help_text="Comma-separated regions.")
     group_by = serializers.CharField(required=False, help_text="Comma-separated: day, hour, "
                                      "model, project, key, service_tier, capacity_source, region.")
 
