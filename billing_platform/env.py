@@ -93,6 +93,9 @@ AUTH_FAILURE_LIMIT: int = env.int("TOLLGATE_AUTH_FAILURE_LIMIT", default=20)
 AUTH_FAILURE_WINDOW_S: int = env.int("TOLLGATE_AUTH_FAILURE_WINDOW_S", default=60)
 
 STRIPE_API_KEY: str = env.str("STRIPE_API_KEY", default="")
+# The publishable key (pk_...) Stripe.js needs for the console's card form (Stripe Elements);
+# unset, the billing page loads nothing from js.stripe.com and says how to add a card in test mode.
+STRIPE_PUBLISHABLE_KEY: str = env.str("STRIPE_PUBLISHABLE_KEY", default="")
 # Unset outside production: the webhook endpoint accepts nothing (and says what to set), since a
 # signature checked against an empty secret proves nothing.
 STRIPE_WEBHOOK_SECRET: str = _secret("STRIPE_WEBHOOK_SECRET", dev_default="")

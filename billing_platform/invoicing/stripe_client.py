@@ -96,3 +96,46 @@ def webhook_event(payload: bytes, signature: str) -> stripe.Event:
         payload, signature, settings.STRIPE_WEBHOOK_SECRET,
         tolerance=settings.STRIPE_WEBHOOK_TOLERANCE_S)
     return event
+
+
+# --- payment methods: a card saved through a SetupIntent (invoicing.payment_methods) ---------
+
+@stripe_call("setup_intent_create")
+def setup_intent_create(*, customer_id: str, idempotency_key: str,
+                        metadata: dict[str, str]) -> dict[str, Any]:
+    """Create a SetupIntent to save a card for off-session charges; return it as a dict.
+
+    The browser confirms it (Stripe.js with the client secret); the card never reaches us.
+    Which payment method types it offers is the Stripe account's setting (cards here).
+    """
+    intent = client().v1.setup_intents.create(
+        params={"customer": customer_id, "usage": "off_session", "metadata": metadata},
+        options={"idempotency_key": idempotency_key},
+    )
+    result: dict[str, Any] = intent.to_dict()
+    return result
+
+
+@stripe_call("setup_intent_retrieve")
+def setup_intent_retrieve(setup_intent_id: str) -> dict[str, Any]:
+    """Return a SetupIntent as Stripe has it now (``stripe.InvalidRequestError`` if unknown)."""
+    result: dict[str, Any] = client().v1.setup_intents.retrieve(setup_intent_id).to_dict()
+    return result
+
+
+@stripe_call("payment_method_retrieve")
+def payment_method_retrieve(payment_method_id: str) -> dict[str, Any]:
+    """Return a PaymentMethod (for a card: brand, last4, expiry) as a dict."""
+    result: dict[str, Any] = client().v1.payment_methods.retrieve(payment_method_id).to_dict()
+    return result
+
+
+@stripe_call("customer_update")
+def customer_default_payment_method_set(*, customer_id: str, payment_method_id: str,
+                                        idempotency_key: str) -> None:
+    """Make an attached PaymentMethod the one the customer's invoices are charged to."""
+    client().v1.customers.update(
+        customer_id,
+        params={"invoice_settings": {"default_payment_method": payment_method_id}},
+        options={"idempotency_key": idempotency_key},
+    )

@@ -27,6 +27,7 @@ import stripe
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from billing_platform.accounts.choices import OrgStatus
@@ -71,6 +72,25 @@ def invoice_charges_enqueue(invoice_ids: list[int]) -> None:
 
     for invoice_id in invoice_ids:
         invoice_charge_task.delay(invoice_id)
+
+
+def open_invoices_charge_now(*, organization_id: int, now: datetime) -> list[int]:
+    """Make an organization's open invoices due for a charge now and enqueue each on commit
+    (a new default payment method: a first card, or a new one after a decline); return their
+    ids. Not those whose dunning finance paused (finance resumes or retries them), nor one
+    already due. Call it inside the transaction that records why; the charges are
+    ``invoice_charge``'s, one attempt and key each, never made here."""
+    due = list(Invoice.objects.select_for_update()
+               .filter(organization_id=organization_id, status=InvoiceStatus.OPEN,
+                       amount_due__gt=0, dunning_paused_at__isnull=True)  # held by finance
+               .filter(Q(next_payment_attempt_at__isnull=True)
+                       | Q(next_payment_attempt_at__gt=now)))
+    for invoice in due:
+        invoice.next_payment_attempt_at = now
+        invoice.save(update_fields=["next_payment_attempt_at"])
+    ids = [i.id for i in due]
+    transaction.on_commit(lambda: invoice_charges_enqueue(ids))
+    return ids
 
 
 def billing_account_ensure_customer(*, organization: Organization) -> BillingAccount:

@@ -27,7 +27,7 @@ from typing import Any
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q, Sum
+from django.db.models import Sum
 from django.utils import timezone
 
 from billing_platform import errors
@@ -50,8 +50,8 @@ from billing_platform.invoicing.money import (
 )
 from billing_platform.invoicing.services.payments import (
     invoice_charge,
-    invoice_charges_enqueue,
     invoice_settle,
+    open_invoices_charge_now,
     payment_failure_book,
 )
 
@@ -184,16 +184,7 @@ def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
                if customer_id else None)
     if account is None:
         return "ignored: not one of our customers"
-    due = list(Invoice.objects.select_for_update()
-               .filter(organization_id=account.organization_id, status=InvoiceStatus.OPEN,
-                       amount_due__gt=0, dunning_paused_at__isnull=True)  # held by finance
-               .filter(Q(next_payment_attempt_at__isnull=True)
-                       | Q(next_payment_attempt_at__gt=now)))
-    for invoice in due:
-        invoice.next_payment_attempt_at = now
-        invoice.save(update_fields=["next_payment_attempt_at"])
-    ids = [i.id for i in due]
-    transaction.on_commit(lambda: invoice_charges_enqueue(ids))
+    ids = open_invoices_charge_now(organization_id=account.organization_id, now=now)
     return f"retrying {len(ids)} open invoice(s)"
 
 

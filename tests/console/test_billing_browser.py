@@ -1,0 +1,137 @@
+"""The billing page in a real headless Chromium, under the console's CSP, against a live web
+process, a real Celery worker (the billing queue) and the Stripe stand-in.
+
+An owner whose October invoice is open and who holds credit opens the page from the
+navigation, adds a card (the SetupIntent is confirmed with a test card through Stripe's API,
+as Stripe.js would in production), saves it, sees the card on the page, and sees the open
+invoice charged by the worker's charge task and then paid. Screenshots of the page and of the
+card form at 1280 and 375 px go to tests/console/screenshots/ (not committed).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from billing_platform.accounts.choices import Role
+from billing_platform.invoicing import services, stripe_client
+from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
+from billing_platform.invoicing.models import Invoice, PaymentAttempt
+from plans import services as plan_services
+from tests.conftest import wait_until
+from tests.console.conftest import CHROMIUM
+from tests.console.test_finance_browser import in_thread, sign_in
+from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
+from tests.gateway.conftest import start_gateway, stop_gateway
+from tests.invoicing.conftest import NOV, OCT
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
+                       "installs Debian's chromium where it can: apt-get install chromium)"),
+    pytest.mark.django_db(transaction=True),
+]
+
+PASSWORD = "a-long-passphrase-42"
+SCREENSHOTS = Path(__file__).with_name("screenshots")
+WIDTHS = {"desktop": (1280, 900), "phone": (375, 800)}
+
+
+@pytest.fixture
+def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_path):
+    """An org with a 200.00 October invoice open and 25.00 of credit, its owner, a worker for
+    the charge task and the web process. Yields (base URL, the invoice)."""
+    stripe_env = {"STRIPE_API_BASE": localstripe_url, "STRIPE_API_KEY": "sk_test_tollgate",
+                  "STRIPE_WEBHOOK_SECRET": "whsec_tollgate_test"}
+    make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
+    org = make_billed_org(name="Card Co")
+    plan_services.reservation_create(organization=org, offering=make_offering(model="m-big"),
+                                     units=2, term="monthly", starts_at=OCT)
+    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
+    invoice = Invoice.objects.get(organization=org)
+    plan_services.credit_grant_create(organization=org, kind="promotional", amount="25.00",
+                                      expires_at=timezone.now() + timedelta(days=30),
+                                      note="welcome credit")
+    owner = MembershipFactory(organization=org, role=Role.OWNER,
+                              user__email="owner@cardco.example.com").user
+    owner.set_password(PASSWORD)
+    owner.save()
+    celery_worker_process(queues="billing", env=stripe_env)
+    server = start_gateway(tmp_path, env=stripe_env)
+    yield server.url, invoice
+    stop_gateway(server)
+
+
+def shoot(page, name: str) -> None:
+    """Screenshot the page at desktop and phone width; at phone width nothing spills over."""
+    SCREENSHOTS.mkdir(exist_ok=True)
+    for label, (width, height) in WIDTHS.items():
+        page.set_viewport_size({"width": width, "height": height})
+        if label == "phone":
+            assert page.evaluate("document.querySelector('main').scrollWidth") <= width, name
+        page.screenshot(path=str(SCREENSHOTS / f"{name}-{width}.png"), full_page=True)
+    page.set_viewport_size({"width": 1280, "height": 900})
+
+
+def _attempt_succeeded(invoice_id: int) -> bool:
+    return PaymentAttempt.objects.filter(invoice_id=invoice_id,
+                                         status=PaymentStatus.SUCCEEDED).exists()
+
+
+def test_an_owner_adds_a_card_and_sees_the_open_invoice_charged(billing_world, page):
+    base, invoice = billing_world
+
+    # the owner opens the billing page from the navigation: credit, no card, the open invoice
+    sign_in(page, base, "owner@cardco.example.com")
+    page.click("header nav >> text=Billing")
+    page.wait_for_url(f"{base}/console/billing/")
+    assert page.inner_text("#credit-balance").startswith("25.00 USD")
+    assert page.inner_text("#card-on-file").startswith("No card on file.")
+    assert f"{invoice.number} (200.00 USD due)" in page.inner_text("#open-due")
+    shoot(page, "billing")
+
+    # adds a card: the card page is for a SetupIntent of the org's Stripe customer
+    page.click("#card-start button")
+    page.wait_for_selector("#card-setup")
+    seti = page.inner_text("#setup-intent-id")
+    assert seti.startswith("seti_")
+    shoot(page, "billing-card")
+
+    # the card is confirmed with Stripe (what Stripe.js does with the card in production)
+    confirmed = stripe_client.client().v1.setup_intents.confirm(
+        seti, {"payment_method": "pm_card_visa"})
+    assert confirmed.status == "succeeded"
+    page.click("#card-complete button[type=submit]")
+    page.wait_for_url(f"{base}/console/billing/")
+    assert "Saved: invoices are now charged to the Visa ending in 4242 (expires 12/2030). " \
+           "1 open invoice will be charged now." in page.inner_text(".messages")
+    assert page.inner_text("#card-on-file") == "Visa ending in 4242, expires 12/2030"
+    assert page.inner_text("#card-start button") == "Replace card"
+
+    # the worker's charge task charges the open invoice to that card, once
+    wait_until(lambda: in_thread(_attempt_succeeded, invoice.id), timeout=60,
+               what="the charge task to charge the open invoice")
+    (attempt,) = in_thread(lambda: list(PaymentAttempt.objects.filter(invoice_id=invoice.id)))
+    intent = stripe_client.payment_intent_retrieve(attempt.stripe_payment_intent_id)
+    assert (intent.status, intent.amount, intent.payment_method) == (
+        "succeeded", 20000, confirmed.payment_method)
+    # and once Stripe's answer is in (the sync the beat runs, as a lost webhook's stand-in),
+    # the page shows it paid and nothing open
+    assert in_thread(lambda: services.payments_sync(older_than=timedelta(0))) == 1
+    paid = in_thread(lambda: Invoice.objects.get(pk=invoice.pk))
+    assert (paid.status, paid.amount_paid) == (InvoiceStatus.PAID, Decimal("200.00"))
+    page.reload()
+    row = page.locator("#recent-invoices tbody tr").first
+    assert row.locator("td").nth(2).inner_text() == "paid"
+    assert page.locator("#open-due").count() == 0
+    shoot(page, "billing-card-saved")
+
+    # the links to the billing profile and the invoices lead there
+    page.click("#invoices-link")
+    page.wait_for_url(f"{base}/console/invoices/")
+    page.go_back()
+    page.click("#profile-link")
+    page.wait_for_url(f"{base}/console/settings/#billing-profile")
