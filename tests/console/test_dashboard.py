@@ -66,9 +66,8 @@ def _world(when: list[datetime]):
 
 def test_figures_equal_hand_computations_and_the_usage_api(client):
     # given November usage on the 3rd, 10th and 15th, read on the 16th at 00:00
-    member, org, (p1, p2), (k1, k2) = _world([NOV.replace(day=3, hour=10),
-                                              NOV.replace(day=10, hour=12),
-                                              NOV.replace(day=15, hour=23, minute=59)])
+    member, org, _, _ = _world([NOV.replace(day=3, hour=10), NOV.replace(day=10, hour=12),
+                                NOV.replace(day=15, hour=23, minute=59)])
 
     # when the dashboard is computed for the 16th
     ctx = dashboard_context(OrgAccess(org, member.role), MID_NOV)
@@ -131,7 +130,7 @@ def test_figures_equal_hand_computations_and_the_usage_api(client):
 def test_the_page_shows_this_months_figures_to_a_member(client):
     # given this month's usage (now), for the page the browser opens
     now = datetime.now(UTC)
-    member, org, _, _ = _world([now, now, now])
+    member, _, _, _ = _world([now, now, now])
     client.force_login(member.user)
 
     # when the owner opens the dashboard
@@ -152,7 +151,7 @@ def test_the_page_shows_this_months_figures_to_a_member(client):
 @pytest.mark.parametrize("role", ["developer", "viewer"])
 def test_roles_without_billing_read_see_usage_but_not_the_invoice(client, role):
     now = datetime.now(UTC)
-    member, org, _, _ = _world([now, now, now])
+    _, org, _, _ = _world([now, now, now])
     reader = MembershipFactory(organization=org, role=role)
     client.force_login(reader.user)
 
@@ -166,17 +165,18 @@ def test_roles_without_billing_read_see_usage_but_not_the_invoice(client, role):
 
 def test_another_orgs_member_sees_only_its_own_organization(client):
     now = datetime.now(UTC)
-    _world([now, now, now])
+    _, victim, _, _ = _world([now, now, now])
     stranger = MembershipFactory()
     client.force_login(stranger.user)
 
-    # the session cannot be pointed at an organization the user is not in
-    client.post("/console/org/switch/", {"org": "org_doesnotexist"})
+    # the session cannot be pointed at an organization the user is not in, by its real id
+    switched = client.post("/console/org/switch/", {"org": victim.public_id}, follow=True)
+    assert "No such organization." in switched.content.decode()
     page = client.get("/console/").content.decode()
 
     assert stranger.organization.name in page
     assert 'id="spent">$0.00<' in page
-    assert "alpha-key" not in page and "Beta" not in page
+    assert "alpha-key" not in page and "Beta" not in page and victim.public_id not in page
 
 
 def test_signed_out_is_sent_to_log_in(client):
