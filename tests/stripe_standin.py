@@ -27,6 +27,15 @@ localstripe speaks Stripe's API over HTTP; this wrapper adds, as Stripe document
   ``winning_evidence`` wins the dispute, ``losing_evidence`` loses it, other evidence puts it
   ``under_review``; closing accepts the loss. Each change emits ``charge.dispute.updated``,
   and ``charge.dispute.closed`` once it is won or lost.
+- SetupIntents and PaymentMethods as Stripe keeps them, where localstripe does not: a
+  SetupIntent confirmed for a customer attaches its PaymentMethod to that customer (and emits
+  ``setup_intent.succeeded`` and ``payment_method.attached``); a declined card leaves it
+  ``requires_payment_method`` with its ``last_setup_error`` (402 ``card_declined``, the
+  SetupIntent in the error, ``setup_intent.setup_failed``), not ``canceled``; confirming one
+  that succeeded or was canceled is a 400 ``setup_intent_unexpected_state``. A customer's
+  ``invoice_settings[default_payment_method]`` must be attached to that customer (400
+  ``resource_missing`` otherwise). A card's ``brand`` follows its number (localstripe calls
+  every card ``visa``), and ``pm_card_mastercard`` is Stripe's test Mastercard.
 
 Events go out through localstripe's own webhooks (``POST /_config/webhooks/<id>`` with
 ``url``, ``secret``, ``events``), signed with Stripe's scheme (``Stripe-Signature:
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from typing import Any
 
 from aiohttp import web
@@ -256,7 +266,130 @@ def _test_article(cls: type[resources.PaymentMethod], id: str) -> Any:
     if id == "pm_card_createDispute":
         return resources.PaymentMethod(type="card", card={
             "number": DISPUTE_CARD, "exp_month": "12", "exp_year": "2030", "cvc": "123"})
+    if id == "pm_card_mastercard":
+        return resources.PaymentMethod(type="card", card={
+            "number": MASTERCARD, "exp_month": "8", "exp_year": "2031", "cvc": "123"})
     return _canonical_test_article(cls, id)
+
+
+# --- setup intents and payment methods -------------------------------------------------------
+
+MASTERCARD = "5555555555554444"  # Stripe's test Mastercard (pm_card_mastercard)
+
+
+def _brand(number: str) -> str:
+    """Return a card's brand from its number, as Stripe names it."""
+    if number.startswith("4"):
+        return "visa"
+    if number[:2] in ("51", "52", "53", "54", "55") or 2221 <= int(number[:4]) <= 2720:
+        return "mastercard"
+    if number.startswith(("6011", "65")):
+        return "discover"
+    if number.startswith("35"):
+        return "jcb"
+    if number.startswith("36"):
+        return "diners"
+    return "unknown"
+
+
+_payment_method_init = resources.PaymentMethod.__init__
+
+
+def _payment_method_init_branded(self: resources.PaymentMethod, *args: Any,
+                                 **kwargs: Any) -> None:
+    _payment_method_init(self, *args, **kwargs)
+    if self.type == "card":
+        self.card["brand"] = _brand(self._card_number)
+
+
+class CardDeclined(UserError):
+    """A 402 ``card_error``, as Stripe answers a declined card (localstripe says
+    ``invalid_request_error`` for every error)."""
+
+    def __init__(self, contents: dict[str, Any]) -> None:
+        super().__init__(402, contents["message"], contents)
+        self.body["error"]["type"] = "card_error"
+
+
+_setup_intent_init = resources.SetupIntent.__init__
+
+
+def _setup_intent_init_full(self: resources.SetupIntent, *args: Any, **kwargs: Any) -> None:
+    _setup_intent_init(self, *args, **kwargs)
+    self.last_setup_error = None
+
+
+def _setup_succeeded(intent: resources.SetupIntent, method: resources.PaymentMethod) -> None:
+    """A SetupIntent that succeeded for a customer attaches its PaymentMethod to it."""
+    if intent.customer and method.customer != intent.customer:
+        method.customer = intent.customer
+        _emit("payment_method.attached", method)
+    _emit("setup_intent.succeeded", intent)
+
+
+def _setup_intent_attach(self: resources.SetupIntent, pm: resources.PaymentMethod) -> None:
+    """Confirm with ``pm``: declined (the intent wants another method), 3-D Secure, or set up."""
+    if pm._attaching_is_declined():
+        self.status = "requires_payment_method"
+        self.payment_method = None
+        self.next_action = None
+        self.last_setup_error = {"code": "card_declined", "decline_code": "generic_decline",
+                                 "message": "Your card was declined.", "type": "card_error",
+                                 "payment_method": pm._export()}
+        _emit("setup_intent.setup_failed", self)
+        raise CardDeclined({**self.last_setup_error, "setup_intent": self._export()})
+    self.payment_method = pm.id
+    self.last_setup_error = None
+    if pm._requires_authentication():
+        self.status = "requires_action"
+        self.next_action = {"type": "use_stripe_sdk",
+                            "use_stripe_sdk": {"type": "three_d_secure_redirect",
+                                               "stripe_js": ""}}
+        return
+    self.status = "succeeded"
+    self.next_action = None
+    _setup_succeeded(self, pm)
+
+
+_CONFIRM = re.compile(r"^/v1/setup_intents/([^/]+)/confirm$")
+
+
+@web.middleware
+async def setup_intent_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Refuse to confirm a SetupIntent that is done; finish one whose 3-D Secure passed."""
+    match = _CONFIRM.match(request.path) if request.method == "POST" else None
+    intent = resources.store.get("setup_intent:" + match.group(1)) if match else None
+    if intent is None:
+        return await handler(request)
+    if intent.status in ("succeeded", "canceled"):
+        raise UserError(400, "You cannot confirm this SetupIntent because it has a status of "
+                             f"{intent.status}.", {"code": "setup_intent_unexpected_state",
+                                                   "setup_intent": intent._export()})
+    was = intent.status
+    response = await handler(request)
+    if was == "requires_action" and intent.status == "succeeded" and intent.payment_method:
+        _setup_succeeded(intent, resources.PaymentMethod._api_retrieve(intent.payment_method))
+    return response
+
+
+_customer_update = resources.Customer._api_update.__func__
+
+
+def _customer_update_checked(cls: type[resources.Customer], id: str,
+                             **data: Any) -> resources.Customer:
+    """Refuse a default payment method that is not attached to this customer, as Stripe does."""
+    settings = data.get("invoice_settings")
+    wanted = settings.get("default_payment_method") if isinstance(settings, dict) else None
+    if isinstance(wanted, str) and wanted:
+        cls._api_retrieve(id)  # 404 first for a customer that does not exist
+        method = resources.store.get("payment_method:" + wanted)
+        if method is None or method.customer != id:
+            raise UserError(400, f"The customer does not have a payment method with the ID "
+                                 f"{wanted}. The payment method must be attached to the "
+                                 "customer.",
+                            {"code": "resource_missing",
+                             "param": "invoice_settings[default_payment_method]"})
+    return _customer_update(cls, id, **data)
 
 
 def install() -> None:
@@ -266,8 +399,13 @@ def install() -> None:
     resources.Charge._trigger_payment = _trigger_payment_then_dispute
     resources.Charge.disputed = property(lambda self: bool(_disputes_of(self.id)))
     resources.PaymentMethod._try_get_canonical_test_article = classmethod(_test_article)
+    resources.PaymentMethod.__init__ = _payment_method_init_branded
+    resources.SetupIntent.__init__ = _setup_intent_init_full
+    resources.SetupIntent._attach_pm = _setup_intent_attach
+    resources.Customer._api_update = classmethod(_customer_update_checked)
     app = server.app
     app.middlewares.insert(0, idempotency_middleware)
+    app.middlewares.append(setup_intent_middleware)  # inside localstripe's error handling
     app.router.add_route("POST", "/v1/disputes/{id}/close",
                          server.api_extra(Dispute._api_close, "/v1/disputes/{id}/close"))
     for method, url, route in (("GET", "/v1/disputes/{id}", server.api_retrieve),
