@@ -23,6 +23,7 @@ from billing_platform.errors import (
     Unauthenticated,
 )
 from billing_platform.gateway import pipeline, services
+from billing_platform.gateway.anthropic import MessagesSurface, anthropic_error, parse_messages
 from billing_platform.gateway.bodies import GatewayRequest
 from billing_platform.gateway.errors import MethodNotAllowed, openai_error
 from billing_platform.gateway.validation import parse_chat, parse_completion
@@ -33,10 +34,13 @@ from plans import concurrency
 View = Callable[..., Awaitable[HttpResponse]]
 
 
-def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("POST",)):
+def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("POST",),
+                    error: Callable[[DomainError, str], HttpResponse] = openai_error,
+                    key_header: str | None = None):
     """Authenticate the bearer key, check scope and method, take an in-flight slot, then read
     the body (``gateway/bodies.py``); answer any domain error the view or a service raises in
-    OpenAI's shape (the one place /v1 maps them)."""
+    OpenAI's shape (the one place /v1 maps them), or ``error``'s (Anthropic's, on
+    /v1/messages, which also takes the key from ``key_header``: ``x-api-key``)."""
 
     def decorator(view: View) -> View:
         @csrf_exempt
@@ -47,7 +51,7 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
             try:
                 if request.method not in methods:
                     raise MethodNotAllowed(f"Method {request.method} not allowed.")
-                principal = await _authenticate(request)
+                principal = await _authenticate(request, key_header)
                 if not principal.has_scope(scope):
                     raise Forbidden(f"This API key lacks the '{scope}' scope.",
                                     code="insufficient_scope")
@@ -61,7 +65,7 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
                 await request.aread_body()
                 response = await view(request, principal, request_id, *args, **kwargs)
             except DomainError as exc:
-                response = openai_error(exc, request_id)
+                response = error(exc, request_id)
             if principal is not None and "x-ratelimit-limit-requests" not in response:
                 # Not admitted (model lists, errors, refusals before admission): report the
                 # key's state as it is, like OpenAI does on every response.
@@ -74,14 +78,18 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
     return decorator
 
 
-async def _authenticate(request: HttpRequest) -> KeyPrincipal:
+async def _authenticate(request: HttpRequest, key_header: str | None = None) -> KeyPrincipal:
     header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer ") or not header[7:].strip():
+    secret = header[7:].strip() if header.startswith("Bearer ") else ""
+    if key_header is not None and request.headers.get(key_header, "").strip():
+        secret = request.headers[key_header].strip()
+    if not secret:
         raise Unauthenticated("You didn't provide an API key. Provide it in the "
-                              "Authorization header as 'Bearer YOUR_KEY'.",
+                              "Authorization header as 'Bearer YOUR_KEY'"
+                              + (f" or in the {key_header} header." if key_header else "."),
                               code="missing_api_key")
     # failures are counted per client address, and throttled (429) past a limit
-    principal = await aapi_key_authenticate(header[7:],
+    principal = await aapi_key_authenticate(secret,
                                             client_address=request.META.get("REMOTE_ADDR"))
     if principal is None:
         raise Unauthenticated("Incorrect, revoked or expired API key provided.",
@@ -125,6 +133,18 @@ async def completions(request: GatewayRequest, principal: KeyPrincipal,
     req = parse_completion(_json_body(request))
     return await _respond(request, await services.serve(principal=principal, req=req,
                                                         request_id=request_id))
+
+
+@openai_endpoint(error=anthropic_error, key_header="x-api-key")
+async def messages(request: GatewayRequest, principal: KeyPrincipal,
+                   request_id: str) -> HttpResponse:
+    """Anthropic's Messages API (``gateway/anthropic.py``)."""
+    body = _json_body(request)
+    req = parse_messages(body)
+    surface = MessagesSurface(stops=body.get("stop_sequences") or [])
+    return await _respond(request, await services.serve(principal=principal, req=req,
+                                                        request_id=request_id,
+                                                        surface=surface))
 
 
 def _model_object(model: services.OfferedModel) -> dict[str, Any]:

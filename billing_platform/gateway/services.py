@@ -143,6 +143,51 @@ def openai_body(call: EngineCall, *, kind: str, request_id: str, tier: str) -> d
     return body
 
 
+class Surface:
+    """How one API surface words an engine's answer; ``serve`` and its relay do the rest
+    (admission, metering, settlement), the same for every surface.
+
+    This one is OpenAI's (chat and legacy completions); ``gateway/anthropic.py`` words the
+    same answers as Anthropic's Messages API. A surface may keep state for one request (the
+    stop reason its last frames name), so ``serve`` gets a fresh one per request.
+    """
+
+    def object_id(self, req: InferenceRequest, request_id: str) -> str:
+        return _object_id(req.kind, request_id)
+
+    def body(self, call: EngineCall, req: InferenceRequest, request_id: str, tier: str
+             ) -> dict[str, Any]:
+        """A finished (non-streaming) answer."""
+        return openai_body(call, kind=req.kind, request_id=request_id, tier=tier)
+
+    async def frames(self, call: EngineCall, req: InferenceRequest, tier: str,
+                     object_id: str) -> AsyncIterator[bytes]:
+        """The stream's frames as the engine's chunks come (``EngineError`` may interrupt)."""
+        async for chunk in call.chunks():
+            chunk["id"] = object_id
+            chunk["service_tier"] = tier
+            if not chunk.get("choices"):
+                if req.include_usage and chunk.get("usage"):
+                    chunk["usage"] = openai_usage(call.result)
+                    yield _sse(chunk)
+                continue
+            if req.include_usage:
+                chunk["usage"] = None
+            else:
+                chunk.pop("usage", None)
+            yield _sse(chunk)
+
+    def error_frame(self, exc: EngineError, seconds: float) -> bytes:
+        """The frame that tells the client the engine failed mid-stream."""
+        return _sse({"error": {"message": f"{exc} (after {seconds:.1f}s of streaming)",
+                               "type": "server_error", "param": None, "code": exc.code}})
+
+    def end_frames(self, call: EngineCall, req: InferenceRequest, *, failed: bool
+                   ) -> list[bytes]:
+        """What follows the last chunk once the request is metered."""
+        return [_sse("[DONE]")]
+
+
 def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
                 engine: EngineInfo | None, result: CallResult | None, started: datetime,
                 capacity: str = "on_demand") -> dict[str, Any]:
@@ -233,9 +278,11 @@ class _Accounting:
                 raise outcome
 
 
-async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
-                request_id: str) -> Served:
-    """Run one inference request; raise a domain error for answers that are errors."""
+async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: str,
+                surface: Surface | None = None) -> Served:
+    """Run one inference request; raise a domain error for answers that are errors.
+    ``surface`` words the answer (OpenAI's when None)."""
+    surface = surface or Surface()
     started = datetime.now(tz=UTC)
     placement = await pipeline.placement_resolve(principal=principal, model=req.model)
     tier = _serving_tier(req, placement.regions)
@@ -266,17 +313,16 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest,
     engine = call.tried[-1]
     headers = {"x-request-id": request_id, "x-tollgate-region": engine.region,
                "openai-model": req.model, **rate_headers}
-    object_id = _object_id(req.kind, request_id[4:])
+    object_id = surface.object_id(req, request_id[4:])
     if req.stream:
         async def close() -> None:
             await asyncio.shield(accounting.finish(call))
 
         return Served(headers=headers, close=close,
                       stream=_relay(call, req=req, tier=tier, object_id=object_id,
-                                    accounting=accounting))
+                                    accounting=accounting, surface=surface))
     await accounting.close(call)
-    return Served(headers=headers, body=openai_body(call, kind=req.kind,
-                                                    request_id=request_id[4:], tier=tier))
+    return Served(headers=headers, body=surface.body(call, req, request_id[4:], tier))
 
 
 def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
@@ -323,34 +369,22 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 
 async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_id: str,
-                 accounting: _Accounting) -> AsyncIterator[bytes]:
-    """Relay engine chunks in OpenAI's shape; meter before [DONE]; meter on disconnect too."""
+                 accounting: _Accounting, surface: Surface) -> AsyncIterator[bytes]:
+    """Relay engine chunks in the surface's shape; meter before its last frames; meter on
+    disconnect too."""
     error_frame = None
     t0 = time.monotonic()
     try:
         try:
-            async for chunk in call.chunks():
-                chunk["id"] = object_id
-                chunk["service_tier"] = tier
-                if not chunk.get("choices"):
-                    if req.include_usage and chunk.get("usage"):
-                        chunk["usage"] = openai_usage(call.result)
-                        yield _sse(chunk)
-                    continue
-                if req.include_usage:
-                    chunk["usage"] = None
-                else:
-                    chunk.pop("usage", None)
-                yield _sse(chunk)
+            async for frame in surface.frames(call, req, tier, object_id):
+                yield frame
         except EngineError as exc:
-            error_frame = _sse({"error": {"message": f"{exc} (after "
-                                          f"{time.monotonic() - t0:.1f}s of streaming)",
-                                          "type": "server_error", "param": None,
-                                          "code": exc.code}})
+            error_frame = surface.error_frame(exc, time.monotonic() - t0)
         await asyncio.shield(accounting.finish(call))
         if error_frame is not None:
             yield error_frame
-        yield _sse("[DONE]")
+        for frame in surface.end_frames(call, req, failed=error_frame is not None):
+            yield frame
     finally:
         # Client disconnect (generator closed or task cancelled): record what was delivered,
         # or finish recording it if the disconnect came while that ran.

@@ -8,6 +8,7 @@ from billing_platform.gateway.batch import apis as batch_apis
 urlpatterns = [
     path("chat/completions", apis.chat_completions, name="v1-chat-completions"),
     path("completions", apis.completions, name="v1-completions"),
+    path("messages", apis.messages, name="v1-messages"),
     path("models", apis.models, name="v1-models"),
     path("models/<path:model_id>", apis.model_detail, name="v1-model"),
     path("files", batch_apis.files_root, name="v1-files"),

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from billing_platform.gateway.anthropic import ERROR_TYPES as ANTHROPIC_ERROR_TYPES
 from engine_adapter.sim.testing import FAST_RATES, start_sim
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
@@ -217,6 +218,37 @@ def test_chat_completion_bodies_never_get_a_5xx(v1, body):
 @given(body=bodies(COMPLETION))
 def test_completion_bodies_never_get_a_5xx(v1, body):
     assert_survives(v1.post("/v1/completions", body))
+
+
+# Anthropic's Messages API: its own fields, and errors in its own shape
+MESSAGES_FIELDS = {
+    "system": TEXT | LONG_TEXT | st.lists(PART, min_size=1, max_size=2),
+    "stop_sequences": st.lists(TEXT, max_size=3), "temperature": st.floats(0, 1) | NUMBERS,
+    "top_p": st.floats(0, 1) | NUMBERS, "top_k": st.integers(-1, 100) | NUMBERS,
+    "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": TEXT}),
+    "service_tier": st.sampled_from(["auto", "standard_only", "priority"]),
+}
+TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                              "content": TEXT | LONG_TEXT | st.lists(PART, min_size=1,
+                                                                    max_size=3)})
+MESSAGES = hostile({"model": st.just(MODEL), "max_tokens": st.integers(1, 48),
+                    "messages": st.lists(TURN, min_size=1, max_size=3)}, MESSAGES_FIELDS)
+
+
+def assert_survives_anthropic(response: httpx.Response) -> None:
+    """No 5xx; a refusal is Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+    assert response.status_code < 500, (response.request.content[:2000], response.text[:2000])
+    if response.status_code >= 400:
+        body = response.json()
+        assert body["type"] == "error", body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        assert body["error"]["type"] in set(ANTHROPIC_ERROR_TYPES.values()), body
+
+
+@settings(FUZZ, max_examples=150)
+@given(body=bodies(MESSAGES))
+def test_anthropic_messages_bodies_never_get_a_5xx(v1, body):
+    assert_survives_anthropic(v1.post("/v1/messages", body))
 
 
 BATCH_LINE = hostile({"custom_id": TEXT, "method": st.just("POST"),
