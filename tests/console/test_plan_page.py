@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.core.cache import cache
 from django.utils import timezone
 
 from billing_platform.accounts.choices import Role
@@ -369,5 +370,9 @@ def test_billing_readers_see_the_advisors_recommendation(client, db):
     assert 'id="advice"' in html and 'href="/console/plan-advice/"' in html
     assert "would have cost <strong>3.70 USD</strong> instead of 11.73 USD" in html
     assert "a saving of <strong>8.03 USD</strong>" in html
+    # the panel's figures are kept a while (the advisor replays the period's every event)
+    assert cache.get(f"console:plan-advice:{org.public_id}:2026-10-01T00:00:00+00:00"
+                     ).saving == D("8.03")
+    assert client.get("/console/plan/").content.decode().count("8.03 USD") == 1
     client.force_login(MembershipFactory(organization=org, role=Role.DEVELOPER).user)
     assert 'id="advice"' not in client.get("/console/plan/").content.decode()
