@@ -196,3 +196,47 @@ def test_usage_money_keeps_a_currency_without_a_symbol_after_the_number():
     assert usage_money(Decimal("0.0031"), "CHF") == "0.0031 CHF"
     assert usage_money(Decimal("12"), "JPY") == "12 JPY"
     assert usage_money(Decimal("0.5"), "EUR") == "€0.5000"
+
+
+# --- what caching saved, priced as the rater prices (plans.cache_savings) ----------------------
+
+def _cached(day: int, model: str, cached: int, *, source: str = "on_demand", tier="default",
+            requests: int = 1, prompt: int | None = None):
+    from plans.cache_savings import CachedUsage
+
+    return CachedUsage(at=NOV.replace(day=day), model=model, service_tier=tier,
+                       capacity_source=source, currency="USD", requests=requests,
+                       prompt_tokens=prompt if prompt is not None else cached * 2,
+                       cached_tokens=cached)
+
+
+def test_savings_follow_price_versions_bands_and_what_is_billed_per_token():
+    from plans import services as plan_services
+    from plans.cache_savings import cache_savings
+
+    # given a book: input 2.00 / cached 0.50 until Nov 10, then input 4.00 / cached 0.50; and a
+    # model whose prompts above 100,000 tokens cost input 3.00 / cached 1.00
+    book = make_price_book(prices=[
+        {"model": "dash-model", "input": "2.00", "cached_input": "0.50", "output": "8.00"},
+        {"model": "dash-band", "input": "1.00", "cached_input": "0.25", "output": "2.00",
+         "bands": [{"above_prompt_tokens": 100_000, "input": "3.00", "cached_input": "1.00",
+                    "output": "4.00"}]}])
+    plan_services.price_version_create(
+        price_book=book, effective_from=NOV.replace(day=10), allow_backdate=True,
+        prices=[{"model": "dash-model", "input": "4.00", "cached_input": "0.50",
+                 "output": "8.00"}])
+    org = MembershipFactory().organization
+
+    saved = cache_savings(organization=org, at=MID_NOV, usage=[
+        _cached(3, "dash-model", 1_000_000),  # 1.50 (before the change)
+        _cached(12, "dash-model", 1_000_000),  # 3.50 (after it)
+        _cached(12, "dash-band", 1_000_000, requests=10, prompt=2_000_000),  # mean 200,000: 2.00
+        _cached(12, "dash-band", 1_000_000, requests=100, prompt=2_000_000),  # 20,000: 0.75
+        _cached(12, "dash-model", 1_000_000, source="provisioned"),  # no money per token
+        _cached(12, "dash-model", 1_000_000, source="plan"),  # credits, not money
+        _cached(12, "unpriced-model", 7),
+    ])
+
+    assert saved.amount == Decimal("7.75")
+    assert (saved.currency, saved.priced_tokens, saved.unpriced_tokens) == (
+        "USD", 4_000_000, 7)
