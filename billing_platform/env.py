@@ -164,6 +164,9 @@ BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTI
 # worker share a machine, the CPU is part of the spare capacity batch may use. 1.0 turns the
 # check off (a worker on a host of its own never comes near it).
 BATCH_HOST_CPU_CEILING: float = env.float("TOLLGATE_BATCH_HOST_CPU_CEILING", default=0.75)
+# Where that check reads the host's CPU counters (the kernel's format; a test points it at a
+# file it writes, so what it asserts does not depend on what else the machine runs).
+BATCH_HOST_STAT: str = env.str("TOLLGATE_BATCH_HOST_STAT", default="/proc/stat")
 # Beat periods (seconds) of the periodic tasks whose period a deployment or a test may change;
 # the schedule itself is in billing_platform/celery.py. The batch sweep expires, cancels and
 # restarts orphaned batches.

@@ -10,8 +10,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -335,33 +333,61 @@ def test_saturated_engines_get_no_batch_line_until_traffic_stops(
         sim.stop()
 
 
+class FakeHost:
+    """A host's CPU counters in /proc/stat's format, advanced by a thread: every core busy or
+    every core idle, as the test says. The worker reads them (TOLLGATE_BATCH_HOST_STAT), so
+    what the test asserts does not depend on what else this machine runs (a suite under load
+    kept the real host busy after the test's own busy loops stopped, and the batch waited)."""
+
+    CORES = 64  # the worker's own CPU use, left out of "others", is a sliver of this host
+
+    def __init__(self, path):
+        import threading
+
+        self.path, self.busy, self.user, self.idle = path, True, 0, 0
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.stop = threading.Event()
+        self.write()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def write(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:  # user nice system idle iowait irq softirq steal ...
+            f.write(f"cpu  {self.user} 0 0 {self.idle} 0 0 0 0 0 0\n")
+        os.replace(tmp, self.path)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            ticks = round(self.hz * 0.02 * self.CORES)
+            if self.busy:
+                self.user += ticks
+            else:
+                self.idle += ticks
+            self.write()
+
+
 def test_a_host_with_busy_cpus_gets_no_batch_line_until_they_are_free(
-        stack, celery_worker_process):
-    # given engines with plenty of free slots, on a host whose every core is kept busy by
-    # ordinary processes (as a gateway and engines at full load keep a shared host busy).
-    # Two hogs per core hold the others' share near 100 % whatever the worker takes, and a
-    # ceiling of 0.9 lets the batch run once they stop even on a box a busy loop already
-    # holds at half its cores (the suite is run that way to prove it deterministic).
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(2 * (os.cpu_count() or 1))]
+        stack, celery_worker_process, tmp_path):
+    # given engines with plenty of free slots, on a host whose every core is busy with other
+    # work (as a gateway and engines at full load keep a shared host busy)
+    host = FakeHost(str(tmp_path / "stat"))
     try:
         client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20,
-                                              TOLLGATE_BATCH_HOST_CPU_CEILING="0.9")
+                                              TOLLGATE_BATCH_HOST_CPU_CEILING="0.9",
+                                              TOLLGATE_BATCH_HOST_STAT=host.path)
         # when the runner has been looking for spare capacity for a while
         runner_kept_looking(batch.id)
         # then it claimed no line: the engines' free slots are not spare while the CPU is not
         assert not BatchLine.objects.filter(batch__public_id=batch.id, attempts__gt=0).exists()
 
         # when the cores are free again, the batch runs to the end
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        host.busy = False
         done = wait_status(client, batch.id, ("completed",), timeout=60)
         assert done.request_counts.completed == 20
     finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        host.stop.set()
+        host.thread.join()
 
 
 def test_host_cpu_counts_what_others_kept_busy(tmp_path):
@@ -386,3 +412,7 @@ def test_host_cpu_counts_what_others_kept_busy(tmp_path):
     # and an unreadable file says nothing
     stat.unlink()
     assert host.busy() is None
+    # the default reads the kernel's own counters
+    real = HostCpu()
+    time.sleep(HostCpu.MIN_WINDOW_S)
+    assert 0.0 <= real.busy() <= 1.0

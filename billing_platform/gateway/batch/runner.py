@@ -332,7 +332,7 @@ async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
     why = "slice"
     next_beat = next_probe = 0.0
     share = 0  # how many lines may be in flight, as of the last probe
-    host, ceiling = HostCpu(), settings.BATCH_HOST_CPU_CEILING
+    host, ceiling = HostCpu(settings.BATCH_HOST_STAT), settings.BATCH_HOST_CPU_CEILING
     held = probes = 0
     try:
         while time.monotonic() < deadline and lines.stop is None:
