@@ -53,6 +53,8 @@ from plans.selectors import credit_balance, credit_grants_of
 
 MANAGE = "org.write"  # with billing.read: who replaces the card
 STRIPE_JS = "https://js.stripe.com/v3/"
+STRIPE_DOWN = ("Stripe did not answer, so nothing was changed. Please try again in a "
+               "moment.")
 # What Stripe.js and Elements need (docs.stripe.com/security/guide#content-security-policy),
 # added to this page's policy only, and only when Stripe.js is loaded at all.
 STRIPE_CSP = {"script-src": ["https://js.stripe.com"],
@@ -93,16 +95,15 @@ def billing(request: HttpRequest, access: OrgAccess) -> HttpResponse:
     """Show credits, the card on file and the latest invoices."""
     org = access.organization
     card, card_error = _card(access)
-    invoices = list(invoices_of(organization=org)[:5])
+    invoices = invoices_of(organization=org)
     return render(request, "console/billing.html", {
         "balance": sorted(credit_balance(organization=org).items()),
         "grants": list(credit_grants_of(organization=org)[:100]),
         "now": timezone.now(),
         "card": card, "card_error": card_error,
         "can_manage": access.can(MANAGE),
-        "invoices": invoices,
-        "open_invoices": [i for i in invoices if i.status == InvoiceStatus.OPEN
-                          and i.amount_due > 0],
+        "invoices": list(invoices[:5]),
+        "open_invoices": list(invoices.filter(status=InvoiceStatus.OPEN, amount_due__gt=0)),
         "start_form": KeyForm(initial={"idempotency_key": _key()}),
     })
 
@@ -134,10 +135,13 @@ def card_setup_start(request: HttpRequest, access: OrgAccess) -> HttpResponse:
             acting_user=request.user)
         return {"setup_intent": started.setup_intent_id}
 
-    result, _ = idempotent_call(caller=f"user:{request.user.pk}",
-                                key=form.cleaned_data["idempotency_key"],
-                                fingerprint=_fingerprint("setup_intent_start", org.public_id),
-                                call=start)
+    try:
+        result, _ = idempotent_call(
+            caller=f"user:{request.user.pk}", key=form.cleaned_data["idempotency_key"],
+            fingerprint=_fingerprint("setup_intent_start", org.public_id), call=start)
+    except (stripe.APIConnectionError, stripe.RateLimitError, stripe.APIError):
+        messages.error(request, STRIPE_DOWN)
+        return redirect("console:billing")
     return redirect(f"{reverse('console:billing-card')}?setup_intent={result['setup_intent']}")
 
 
@@ -148,8 +152,12 @@ def card_form(request: HttpRequest, access: OrgAccess) -> HttpResponse:
     if refused:
         return refused
     wanted = request.GET.get("setup_intent", "")[:205]
-    intent = payment_methods.setup_intent_of(organization=access.organization,
-                                             setup_intent_id=wanted)
+    try:
+        intent = payment_methods.setup_intent_of(organization=access.organization,
+                                                 setup_intent_id=wanted)
+    except (stripe.APIConnectionError, stripe.RateLimitError, stripe.APIError):
+        messages.error(request, STRIPE_DOWN)
+        return redirect("console:billing")
     publishable_key = settings.STRIPE_PUBLISHABLE_KEY
     response = render(request, "console/billing.html", {
         "setup": {"id": intent["id"], "status": intent.get("status", "")},
@@ -196,6 +204,10 @@ def card_setup_complete(request: HttpRequest, access: OrgAccess) -> HttpResponse
             call=complete)
     except InvalidRequest as exc:
         messages.error(request, exc.message)
+        return redirect(f"{reverse('console:billing-card')}?setup_intent={seti}")
+    except (stripe.APIConnectionError, stripe.RateLimitError, stripe.APIError):
+        # the form's key rolled back with everything else: the same form may be sent again
+        messages.error(request, STRIPE_DOWN)
         return redirect(f"{reverse('console:billing-card')}?setup_intent={seti}")
     if replayed:
         messages.info(request, f"This form was already sent: {result['message']} "

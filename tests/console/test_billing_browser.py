@@ -41,7 +41,13 @@ WIDTHS = {"desktop": (1280, 900), "phone": (375, 800)}
 
 
 @pytest.fixture
-def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_path):
+def web_env() -> dict[str, str]:
+    """More environment of the web process (a test overrides it)."""
+    return {}
+
+
+@pytest.fixture
+def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_path, web_env):
     """An org with a 200.00 October invoice open and 25.00 of credit, its owner, a worker for
     the charge task and the web process. Yields (base URL, the invoice)."""
     stripe_env = {"STRIPE_API_BASE": localstripe_url, "STRIPE_API_KEY": "sk_test_tollgate",
@@ -60,7 +66,7 @@ def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
     owner.set_password(PASSWORD)
     owner.save()
     celery_worker_process(queues="billing", env=stripe_env)
-    server = start_gateway(tmp_path, env=stripe_env)
+    server = start_gateway(tmp_path, env={**stripe_env, **web_env})
     yield server.url, invoice
     stop_gateway(server)
 
@@ -135,3 +141,80 @@ def test_an_owner_adds_a_card_and_sees_the_open_invoice_charged(billing_world, p
     page.go_back()
     page.click("#profile-link")
     page.wait_for_url(f"{base}/console/settings/#billing-profile")
+
+
+# --- Stripe Elements: the card form of production, against the stand-in ----------------------
+# Chromium here cannot reach js.stripe.com or api.stripe.com. Both addresses are answered by
+# the stand-in, from the browser's network layer: Stripe.js by localstripe's own stand-in for
+# it (localstripe-v3.js: an Elements card field of plain inputs, confirmCardSetup), told
+# that Stripe's API is at https://api.stripe.com, and that address by the Stripe stand-in
+# (each request forwarded to it over HTTP). The page, its CSP and billing_card.js are the
+# production ones: only the two Stripe origins are answered by stand-ins.
+
+def _stripe_js_stand_in() -> str:
+    import re
+
+    import localstripe
+
+    source = (Path(localstripe.__file__).parent / "localstripe-v3.js").read_text()
+    return re.sub(r"const LOCALSTRIPE_BASE_API = \(function \(\) \{.*?\}\)\(\);",
+                  'const LOCALSTRIPE_BASE_API = "https://api.stripe.com";', source, count=1,
+                  flags=re.S)
+
+
+def _answer_stripe_origins(page, localstripe_url: str) -> list[str]:
+    """Answer js.stripe.com and api.stripe.com from the stand-ins; return the API paths
+    the browser called."""
+    script, called = _stripe_js_stand_in(), []
+    page.route("https://js.stripe.com/v3/",
+               lambda route: route.fulfill(body=script, content_type="application/javascript"))
+
+    def api(route) -> None:
+        path = route.request.url.removeprefix("https://api.stripe.com")
+        called.append(f"{route.request.method} {path}")
+        route.fulfill(response=route.fetch(url=localstripe_url + path))
+
+    page.route("https://api.stripe.com/**", api)
+    return called
+
+
+@pytest.mark.parametrize("web_env", [{"STRIPE_PUBLISHABLE_KEY": "pk_test_tollgate"}])
+def test_the_card_entered_in_stripe_elements_is_saved_and_charged(
+        billing_world, page, localstripe_url):
+    base, invoice = billing_world
+    called = _answer_stripe_origins(page, localstripe_url)
+    sign_in(page, base, "owner@cardco.example.com")
+    page.goto(f"{base}/console/billing/")
+
+    # the card page loads Stripe.js (allowed by its CSP) and mounts the card field
+    page.click("#card-start button")
+    page.wait_for_selector("#card-element input")
+    assert page.locator("#no-stripe-js").count() == 0
+    shoot(page, "billing-card-elements")
+
+    # the owner types a test card and saves it: Stripe.js confirms the SetupIntent with its
+    # client secret, then billing_card.js posts the completion form
+    for placeholder, value in (("number", "4242424242424242"), ("exp_month", "12"),
+                               ("exp_year", "30"), ("cvc", "123"),
+                               ("postal_code", "10115")):
+        page.fill(f"#card-element input[placeholder={placeholder}]", value)
+    page.click("#card-submit")
+    page.wait_for_url(f"{base}/console/billing/")
+    assert [c for c in called if c.endswith("/confirm")] and all(
+        c.startswith("POST /v1/setup_intents/seti_") for c in called)
+    assert page.inner_text("#card-on-file") == "Visa ending in 4242, expires 12/2030"
+    wait_until(lambda: in_thread(_attempt_succeeded, invoice.id), timeout=60,
+               what="the charge task to charge the open invoice")
+
+    # a declined card is Stripe's message on the form, and nothing is posted
+    page.click("#card-start button")
+    page.wait_for_selector("#card-element input")
+    for placeholder, value in (("number", "4000000000000002"), ("exp_month", "12"),
+                               ("exp_year", "30"), ("cvc", "123"),
+                               ("postal_code", "10115")):
+        page.fill(f"#card-element input[placeholder={placeholder}]", value)
+    page.click("#card-submit")
+    page.wait_for_selector("#card-errors:not(:empty)")
+    assert page.inner_text("#card-errors") == "Your card was declined."
+    assert "/console/billing/card/" in page.url
+    assert not page.is_disabled("#card-submit")

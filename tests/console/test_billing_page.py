@@ -294,3 +294,36 @@ def test_stripe_js_and_its_csp_only_on_the_card_page_and_only_with_a_publishable
     overview = client.get("/console/billing/")
     assert "js.stripe.com" not in overview["Content-Security-Policy"]
     assert "js.stripe.com" not in overview.content.decode()
+
+
+def test_stripe_not_answering_changes_nothing_and_the_same_form_works_later(
+        payer, client, settings, django_capture_on_commit_callbacks):
+    client.force_login(member(payer, Role.OWNER))
+    seti = start_setup(client)
+    confirm(seti)
+    stripe_base = settings.STRIPE_API_BASE
+
+    # when Stripe cannot be reached as the card is saved (nothing listens on port 9)
+    settings.STRIPE_API_BASE = "http://127.0.0.1:9"
+    with django_capture_on_commit_callbacks() as enqueued:
+        reply = complete(client, seti)
+    # then the card page, which cannot ask Stripe either, sends back to the billing page,
+    # which says so and still renders; nothing was recorded or made due
+    assert reply["Location"] == f"/console/billing/card/?setup_intent={seti}"
+    assert client.get(reply["Location"])["Location"] == "/console/billing/"
+    page = client.get("/console/billing/").content.decode()
+    assert "Stripe did not answer, so nothing was changed." in page
+    assert "The card on file cannot be shown right now (Stripe did not answer)" in page
+    reply = client.post("/console/billing/card/start/", {"idempotency_key": "k-down"})
+    assert reply["Location"] == "/console/billing/"
+    assert enqueued == [] and not AuditEvent.objects.filter(action=REPLACED).exists()
+    assert services.invoices_dunning_run() == []
+
+    # and once Stripe answers again, the very same form saves the card
+    settings.STRIPE_API_BASE = stripe_base
+    with django_capture_on_commit_callbacks() as enqueued:
+        reply = complete(client, seti)
+    assert reply["Location"] == "/console/billing/"
+    assert "Saved: invoices are now charged to the Visa ending in 4242" in client.get(
+        "/console/billing/").content.decode()
+    assert len(enqueued) == 1 and AuditEvent.objects.filter(action=REPLACED).count() == 1

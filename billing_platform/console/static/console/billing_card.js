@@ -18,7 +18,7 @@ document.addEventListener("DOMContentLoaded", () => {
   const errors = document.getElementById("card-errors");
   const button = document.getElementById("card-submit");
   card.on("change", (event) => {
-    errors.textContent = event.error ? event.error.message : "";
+    errors.textContent = event && event.error ? event.error.message : "";
   });
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
