@@ -36,7 +36,7 @@ from django.views.decorators.http import require_POST
 from billing_platform.accounts.models import Organization, User
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console import forms
-from billing_platform.console.templatetags.credits import credits
+from billing_platform.console.templatetags.credits import credits as credits_text
 from billing_platform.console.templatetags.money import money
 from billing_platform.console.views import org_page
 from billing_platform.errors import Conflict, DomainError
@@ -201,7 +201,7 @@ def _pack_choices(sub: Subscription | None) -> list[tuple[str, str]]:
     if sub is None:
         return []
     currency = sub.plan.currency
-    return [(p.code, f"{p.name} ({credits(p.credits)} credits, {money(p.price, currency)})")
+    return [(p.code, f"{p.name} ({credits_text(p.credits)} credits, {money(p.price, currency)})")
             for p in credit_packs_offered(plan=sub.plan)]
 
 
@@ -257,7 +257,7 @@ def pack_buy(request: HttpRequest, access: OrgAccess, sub_id: str) -> HttpRespon
         def buy() -> str:
             purchase = services.credit_pack_purchase(subscription=sub, pack=pack,
                                                      acting_user=request.user)
-            return (f"Bought {pack.name}: {credits(purchase.credits)} credits; "
+            return (f"Bought {pack.name}: {credits_text(purchase.credits)} credits; "
                     f"{money(purchase.price, purchase.currency)} on your next invoice.")
 
         if _run_once(request, form, operation=["credit_pack.purchase", access.organization
