@@ -70,11 +70,11 @@ def cache_savings(*, organization: Organization, usage: Sequence[CachedUsage],
     The price book is the one the org's subscription at ``at`` rates with (else the default
     book of its currency). A fixed number of queries, whatever the number of groups.
     """
+    books = list(PriceBook.objects.values_list("id", "currency", "is_default"))
     book_id, currency = price_book_of(
         subscription_at(organization=organization, at=at), org_currency=organization.currency,
-        default_books=dict(PriceBook.objects.filter(is_default=True)
-                           .values_list("currency", "id")),
-        book_currency=dict(PriceBook.objects.values_list("id", "currency")))
+        default_books={cur: pk for pk, cur, default in books if default},
+        book_currency={pk: cur for pk, cur, _ in books})
     billed = [u for u in usage if u.capacity_source in BILLED_PER_TOKEN and u.cached_tokens]
     if book_id is None or not billed:
         return CacheSavings(ZERO, currency, 0, sum(u.cached_tokens for u in billed))
