@@ -34,9 +34,12 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
 
 from billing_platform.accounts.models import ApiKey, Project
 from billing_platform.accounts.selectors import OrgAccess
+from billing_platform.console.templatetags.money import usage_money
 from billing_platform.console.views import org_page
 from billing_platform.csv_export import csv_writer
 from billing_platform.errors import DomainError, InvalidRequest
@@ -83,10 +86,16 @@ class Explorer:
     chart: dict[str, Any]
     api_url: str
 
-    @property
-    def shown_rows(self) -> list[tuple[list[str], str, UsageBucket]]:
-        """Each row: its cells but the amount, the exact amount (the CSV's), its sums."""
-        return [(row[:-1], row[-1], b) for row, b in zip(self.rows, self.buckets, strict=True)]
+    def table_body(self) -> SafeString:
+        """Return the table's rows as HTML: the CSV's cells, the amount shown with the places
+        it needs and its exact value (the CSV's) in ``data-exact``. Built here, not in the
+        template: a year by hour is 8,784 rows, which Django's template loop took seconds to
+        render (measured 5.6 s under a profiler on this machine), this a small part of that."""
+        return mark_safe("".join(  # noqa: S308 (every cell is escaped)
+            "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row[:-1])
+            + f'<td data-exact="{escape(row[-1])}" title="exact: {escape(row[-1])}">'
+            + f"{escape(usage_money(b.amount, b.currency))}</td></tr>"
+            for row, b in zip(self.rows, self.buckets, strict=True)))
 
     @property
     def metric_label(self) -> str:
@@ -155,8 +164,9 @@ def _api_params(get: QueryDict) -> tuple[dict[str, str], str, str, str]:
     return {k: v for k, v in params.items() if v}, group, split, metric
 
 
-def explore(get: QueryDict, access: OrgAccess) -> Explorer:
-    """Answer an explorer query of the organization (``DomainError`` for one the API refuses)."""
+def explore(get: QueryDict, access: OrgAccess, *, chart: bool = True) -> Explorer:
+    """Answer an explorer query of the organization (``DomainError`` for one the API refuses);
+    ``chart``: with its chart (the CSV needs none)."""
     org = access.organization
     params, group, split, metric = _api_params(get)
     validated = usage_serializers.UsageQuerySerializer(data=params)
@@ -178,7 +188,7 @@ def explore(get: QueryDict, access: OrgAccess) -> Explorer:
     return Explorer(
         query=query, group=group, split=split, metric=metric, header=header, rows=rows,
         buckets=buckets, totals=totals,
-        chart=_chart(query, buckets, names, group, split, metric),
+        chart=_chart(query, buckets, names, group, split, metric) if chart else {},
         api_url=reverse("usage") + "?" + urlencode(api_params))
 
 
@@ -204,9 +214,10 @@ def _chart(query: usage_api.UsageQuery, buckets: list[UsageBucket], names: _Name
     """The chart of the table's numbers: ``metric`` per ``group`` value, a series per ``split``
     value (amounts: per currency too, never added across currencies)."""
     points: dict[tuple[str, str], Decimal] = {}
-    labels: list[str] = (_time_labels(query, group, names) if group in ("hour", "day")
-                         else [])
-    series: list[str] = []
+    # dicts as ordered sets: a year by hour is 8,784 labels
+    labels = dict.fromkeys(_time_labels(query, group, names) if group in ("hour", "day")
+                           else ())
+    series: dict[str, None] = {}
     for b in buckets:
         label = names.label(group, b.group[group])
         name = names.label(split, b.group[split]) if split else METRICS[metric]
@@ -214,12 +225,10 @@ def _chart(query: usage_api.UsageQuery, buckets: list[UsageBucket], names: _Name
             name = f"{name} ({b.currency})"
         value = b.total_tokens if metric == "total_tokens" else getattr(b, metric)
         points[(label, name)] = points.get((label, name), Decimal(0)) + Decimal(value)
-        if label not in labels:
-            labels.append(label)
-        if name not in series:
-            series.append(name)
+        labels.setdefault(label)
+        series.setdefault(name)
     return {
-        "type": "bar", "stacked": bool(split), "metric": metric, "labels": labels,
+        "type": "bar", "stacked": bool(split), "metric": metric, "labels": list(labels),
         "datasets": [{"label": name, "data": [str(points.get((label, name), 0))
                                                for label in labels]}
                      for name in sorted(series)],
@@ -281,7 +290,8 @@ def usage(request: HttpRequest, access: OrgAccess) -> HttpResponseBase:
     """The explorer: filters, chart, table; ``?format=csv`` streams the table as CSV."""
     context: dict[str, Any] = {"form": _form(request.GET, access)}
     try:
-        explorer = explore(request.GET, access)
+        explorer = explore(request.GET, access,
+                           chart=request.GET.get("format") != "csv")
     except DomainError as exc:
         context["errors"] = [exc.message]
         return render(request, "console/usage.html", context, status=400)

@@ -337,3 +337,19 @@ def test_every_role_reads_usage_as_the_api_lets_it(client, world):
     outsider.memberships.all().delete()
     client.force_login(outsider)
     assert client.get("/console/usage/").status_code == 302
+
+
+def test_names_a_tenant_chose_are_text_in_the_table_and_the_chart(client, world):
+    # given a project named like markup
+    world["web"].name = "<img src=x onerror=alert(1)>"
+    world["web"].save()
+    client.force_login(world["member"].user)
+    # when the explorer groups by project
+    status, html, page = _page(client, {**OCTOBER, "group": "project", "split": ""})
+    # then the name is escaped text, in the table and in the chart's labels
+    assert status == 200
+    assert "<img src=x" not in html
+    assert f"<img src=x onerror=alert(1)> ({world['web'].public_id})" in [
+        r[0] for r in page.rows[1:]]
+    chart = json.loads(page.scripts["usage-chart-data"])
+    assert f"<img src=x onerror=alert(1)> ({world['web'].public_id})" in chart["labels"]
