@@ -18,10 +18,16 @@ from billing_platform.accounts.choices import Role
 from billing_platform.audit.models import AuditEvent
 from billing_platform.invoicing import services, stripe_client
 from billing_platform.invoicing.choices import InvoiceStatus
-from billing_platform.invoicing.models import BillingAccount, Invoice, PaymentAttempt
+from billing_platform.invoicing.models import (
+    BillingAccount,
+    Invoice,
+    PaymentAttempt,
+    StripeEvent,
+)
 from billing_platform.invoicing.tasks import invoice_charge_task
 from plans import services as plan_services
 from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
+from tests.invoicing.test_invoice_payments import _event, _signed
 
 OCT = datetime(2026, 10, 1, tzinfo=UTC)
 NOV = datetime(2026, 11, 1, tzinfo=UTC)
@@ -136,8 +142,17 @@ def test_a_card_saved_through_a_setup_intent_is_shown_and_the_open_invoice_charg
     assert row.after == {"payment_method": default, "brand": "visa", "last4": "4242",
                          "expiry": "12/2030", "setup_intent": seti}
 
-    # and the open invoice is due now, its charge enqueued once; the charge task charges it
+    # and the open invoice is due now, its charge enqueued once (not again when Stripe's
+    # customer.updated for that card arrives); the charge task charges it
     assert len(enqueued) == 1
+    customer = stripe_client.client().v1.customers.retrieve(customer_id).to_dict()
+    body = _event("evt_customer_card", "customer.updated", customer)
+    with django_capture_on_commit_callbacks() as by_webhook:
+        assert client.post("/stripe/webhook/", body, content_type="application/json",
+                           HTTP_STRIPE_SIGNATURE=_signed(body)).status_code == 200
+    assert StripeEvent.objects.get(stripe_id="evt_customer_card").outcome == (
+        "no change: the console saved this card and charged the open invoices")
+    assert by_webhook == []
     assert services.invoices_dunning_run() == [invoice.id]
     assert invoice_charge_task.apply(args=(invoice.id,)).get() == "succeeded"
     (attempt,) = PaymentAttempt.objects.filter(invoice=invoice)

@@ -31,6 +31,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from billing_platform import errors
+from billing_platform.audit.selectors import audit_events
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import DomainError, InvalidRequest
 from billing_platform.invoicing import stripe_client
@@ -177,13 +178,21 @@ def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
     """A customer with a default payment method (a new card after a decline, or a first one):
     retry the org's open invoices now instead of at the next dunning date, as Stripe does
     (not those whose dunning finance paused: finance resumes or retries them)."""
-    if not (customer.get("invoice_settings") or {}).get("default_payment_method"):
+    payment_method = (customer.get("invoice_settings") or {}).get("default_payment_method")
+    if not payment_method:
         return "no change: no default payment method"
     customer_id = customer.get("id")
-    account = (BillingAccount.objects.filter(stripe_customer_id=customer_id).first()
-               if customer_id else None)
+    account = (BillingAccount.objects.select_related("organization")
+               .filter(stripe_customer_id=customer_id).first() if customer_id else None)
     if account is None:
         return "ignored: not one of our customers"
+    # A card saved in the console made the open invoices due itself (invoicing.payment_methods);
+    # retrying them again on its webhook would charge a declining card twice in a row.
+    latest = audit_events(organization=account.organization,
+                          action="billing.payment_method_replace",
+                          target=account.organization.public_id).first()
+    if latest is not None and (latest.after or {}).get("payment_method") == payment_method:
+        return "no change: the console saved this card and charged the open invoices"
     ids = open_invoices_charge_now(organization_id=account.organization_id, now=now)
     return f"retrying {len(ids)} open invoice(s)"
 
