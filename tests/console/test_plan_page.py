@@ -316,6 +316,7 @@ def test_upgrade_then_cancel_through_the_console(world, client):
     # the page now shows Pro (5,000 credits; the old ledger stays with Basic)
     page = client.get("/console/plan/").content.decode()
     assert "Pro <code>pro</code>" in page and _text(page, "period-left") == "5,000"
+    assert "Downgrade…" in page and "Upgrade…" not in page  # Basic is the cheaper one
 
     # figures that differ from the invoice's are refused, and the change is previewed again
     stale = client.post(f"/console/plan/{new.public_id}/cancel/",
