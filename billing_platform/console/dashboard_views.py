@@ -67,6 +67,19 @@ def forecast(*, spent: Decimal, start: datetime, end: datetime, now: datetime) -
                     quantize_amount(spent * whole / elapsed))
 
 
+def budget_reached(*, spent: Decimal, budget: Decimal, start: datetime, end: datetime,
+                   now: datetime) -> date | None:
+    """Return the day the forecast line crosses ``budget`` before the period ends, else None
+    (already past it: today)."""
+    if spent >= budget:
+        return now.date()
+    elapsed = int((now - start).total_seconds() * 1_000_000)
+    if spent <= 0 or elapsed <= 0:
+        return None
+    at = start + timedelta(microseconds=int(budget * elapsed / spent))
+    return at.date() if at < end else None
+
+
 def _days(start: datetime, end: datetime) -> list[date]:
     first, count = start.date(), (end - start) // DAY
     return [first + timedelta(days=i) for i in range(count)]
@@ -184,6 +197,8 @@ def dashboard_context(access: OrgAccess, now: datetime) -> dict[str, Any]:
         "budget_percent": (spent * 100 / budget.amount).quantize(Decimal("0.1"))
         if budget is not None and budget.currency == currency else None,
         "forecast": forecast(spent=spent, start=start, end=end, now=now),
+        "budget_reached": budget_reached(spent=spent, budget=on_chart, start=start, end=end,
+                                         now=now) if on_chart is not None else None,
         "spend_chart": _spend_chart(days, spend, start=start, end=end, now=now,
                                     budget=on_chart),
         "tokens_chart": _tokens_chart([d for d in days if d <= now.date()], rows),

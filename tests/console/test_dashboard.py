@@ -77,6 +77,7 @@ def test_figures_equal_hand_computations_and_the_usage_api(client):
     assert ctx["forecast"].per_day == Decimal("1.647") / 15  # 0.1098 a day
     assert ctx["forecast"].at_end == Decimal("3.294")
     assert ctx["budget"].amount == Decimal("100") and ctx["budget_percent"] == Decimal("1.6")
+    assert ctx["budget_reached"] is None  # 3.294 by the month's end: far below 100
     spend = ctx["spend_chart"]
     assert len(spend["labels"]) == 30 and spend["labels"][0] == "2026-11-01"
     actual, ahead, budget = (d["data"] for d in spend["datasets"])
@@ -125,6 +126,19 @@ def test_figures_equal_hand_computations_and_the_usage_api(client):
     (total,) = api["totals"]
     assert Decimal(total["amount"]) == ctx["spent"]
     assert total["requests"] == ctx["requests"] == 3
+
+
+def test_the_page_says_when_the_forecast_reaches_the_budget():
+    # given the same usage under a 2.00 budget, read on the 16th at 00:00
+    member, org, _, _ = _world([NOV.replace(day=3, hour=10), NOV.replace(day=10, hour=12),
+                                NOV.replace(day=15, hour=23, minute=59)])
+    budget_set(organization=org, amount="2")
+
+    ctx = dashboard_context(OrgAccess(org, member.role), MID_NOV)
+
+    # then at 1.647 in 15 days, 2.00 is reached after 2 x 15 / 1.647 = 18.2 days: the 19th
+    assert ctx["budget_reached"] == NOV.replace(day=19).date()
+    assert ctx["budget_percent"] == Decimal("82.4")
 
 
 def test_the_page_shows_this_months_figures_to_a_member(client):
