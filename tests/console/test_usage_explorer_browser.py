@@ -8,6 +8,7 @@ organization's project id is a form message. Screenshots at desktop (1280 px) an
 from __future__ import annotations
 
 import csv
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -17,6 +18,10 @@ import pytest
 from metering import events, services
 from tests.console.conftest import CHROMIUM
 from tests.factories import MembershipFactory, ProjectFactory, make_key, make_price_book
+from tests.gateway.conftest import (
+    drain_usage,
+    live_gateway,  # noqa: F401 - the live gateway fixture
+)
 
 pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
@@ -161,3 +166,62 @@ def test_usage_explorer_chart_and_csv_equal_the_api_in_chromium(explorer_org, li
     page.goto(f"{base}/console/usage/?start=2026-02-30")
     assert "start must be a date" in page.inner_text("#filter-errors")
     page.screenshot(path=str(SCREENSHOTS / "usage-explorer-error-375.png"), full_page=True)
+
+
+def in_thread(fn, *args):
+    """Run Django code beside Playwright's event loop (Django refuses it on that thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def test_sign_up_call_the_api_with_the_sdk_and_explore_it_in_chromium(
+        live_gateway, page):  # noqa: F811 - the fixture imported above
+    import openai
+
+    # a developer signs up and creates a key in the console
+    base = live_gateway.url
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{base}/console/signup/")
+    page.fill("#id_email", "lin@example.com")
+    page.fill("#id_password", PASSWORD)
+    page.fill("#id_org_name", "Explorer Labs")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}/console/")
+    page.click("text=Projects & keys")
+    page.click("text=API keys →")
+    page.fill("#id_name", "sdk")
+    page.click("text=Create key")
+    secret = page.inner_text("#new-secret").strip()
+
+    # makes 5 requests with the openai SDK; the usage is ingested (rated, rolled up)
+    sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=secret, max_retries=0)
+    for i in range(5):
+        sdk.chat.completions.create(model="small", max_tokens=8, messages=[
+            {"role": "user", "content": f"Say something about the number {i}."}])
+    in_thread(drain_usage)
+
+    # and reads today by hour in the explorer: the chart draws the API's numbers
+    page.click("header nav >> text=Usage")
+    page.click("#presets >> text=Today by hour")
+    page.wait_for_selector("canvas#usage-chart[data-drawn=true]")
+    drawn = page.evaluate("""() => { const c = document.getElementById('usage-chart').chart;
+        return {labels: c.data.labels, sets: c.data.datasets.map(d => [d.label, d.data])}; }""")
+    assert len(drawn["labels"]) == 24
+    api = page.evaluate("async (url) => (await fetch(url)).json()",
+                        page.get_attribute("#api-link", "href"))
+    assert api["group_by"] == ["hour", "model"]
+    shown = {(label, hour): n for label, data in drawn["sets"]
+             for hour, n in zip(drawn["labels"], data, strict=True) if n}
+    assert shown == {(b["model"], b["hour"][:13].replace("T", " ") + ":00"): b["total_tokens"]
+                     for b in api["data"]}
+    (total,) = api["totals"]
+    assert total["requests"] == 5 and total["completion_tokens"] > 0
+    assert Decimal(total["amount"]) > 0
+    # the amount reads with the places it needs, never "$0.00" for real usage
+    assert page.inner_text("#usage-totals b[data-exact]") != "$0.00"
+    with page.expect_download() as download:
+        page.click("#csv-link")
+    with open(download.value.path(), newline="") as f:
+        assert list(csv.reader(f)) == _table(page)
+    SCREENSHOTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "usage-explorer-today-1280.png"), full_page=True)
