@@ -110,12 +110,8 @@ def payment_method_on_file(*, organization: Organization) -> CardOnFile | None:
     An organization that never had a Stripe customer has none, and none is created here.
     """
     customer_id = _customer_id(organization)
-    if not customer_id:
-        return None
-    payment_method = stripe_client.default_payment_method(customer_id)
-    if not payment_method:
-        return None
-    return card_of(stripe_client.payment_method_retrieve(payment_method))
+    method = stripe_client.default_payment_method_expanded(customer_id) if customer_id else None
+    return card_of(method) if method else None
 
 
 def setup_intent_start(*, organization: Organization, key: str, acting_user: Any
@@ -174,14 +170,12 @@ def payment_method_replace(*, organization: Organization, setup_intent_id: str,
             f"The card was not saved: the card setup is {status.replace('_', ' ')}"
             + (f" ({error})" if error else "") + ". Please enter a card again.",
             param="setup_intent")
-    customer_id = _customer_id(organization)
-    previous_id = stripe_client.default_payment_method(customer_id)
-    previous = (card_of(stripe_client.payment_method_retrieve(previous_id))
-                if previous_id else None)
+    previous = payment_method_on_file(organization=organization)
+    previous_id = previous.payment_method_id if previous else None
     card = card_of(stripe_client.payment_method_retrieve(payment_method))
     if previous_id != payment_method:
         stripe_client.customer_default_payment_method_set(
-            customer_id=customer_id, payment_method_id=payment_method,
+            customer_id=str(intent["customer"]), payment_method_id=payment_method,
             idempotency_key=f"org:{organization.public_id}:default_payment_method:"
                             f"{setup_intent_id}")
     with transaction.atomic():

@@ -123,6 +123,15 @@ def setup_intent_retrieve(setup_intent_id: str) -> dict[str, Any]:
     return result
 
 
+@stripe_call("customer_retrieve")
+def default_payment_method_expanded(customer_id: str) -> dict[str, Any] | None:
+    """Return the customer's default PaymentMethod itself (one request), if any."""
+    customer = client().v1.customers.retrieve(
+        customer_id, params={"expand": ["invoice_settings.default_payment_method"]}).to_dict()
+    method = (customer.get("invoice_settings") or {}).get("default_payment_method")
+    return method if isinstance(method, dict) else None
+
+
 @stripe_call("payment_method_retrieve")
 def payment_method_retrieve(payment_method_id: str) -> dict[str, Any]:
     """Return a PaymentMethod (for a card: brand, last4, expiry) as a dict."""
