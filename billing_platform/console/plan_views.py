@@ -267,14 +267,17 @@ def pack_buy(request: HttpRequest, access: OrgAccess, sub_id: str) -> HttpRespon
 
 
 def _change_page(request: HttpRequest, access: OrgAccess, *, sub: Subscription | None,
-                 target: Plan | None, form: forms._OnceForm, status: int = 200
-                 ) -> HttpResponse:
-    """Preview the change (again) and show its confirm form; a refusal is the form's message."""
+                 target: Plan | None, form: forms._OnceForm, refused: list[str] | None = None,
+                 status: int = 200) -> HttpResponse:
+    """Preview the change (again) and show its confirm form; a refusal is the page's message
+    (and no confirm button)."""
     org, preview = access.organization, None
+    refused = list(refused or [])
     try:
         preview = change_preview(organization=org, change=_change(request, org, sub, target))
     except DomainError as exc:
-        form.add_error(None, exc.message)
+        if exc.message not in refused:  # the confirm's refusal, said again by the preview
+            refused.append(exc.message)
         status = 400
     else:
         for error in form.non_field_errors():  # a bound form's (a damaged key): say it
@@ -286,7 +289,7 @@ def _change_page(request: HttpRequest, access: OrgAccess, *, sub: Subscription |
         sub.refresh_from_db()  # the preview's change was rolled back
     return render(request, "console/plan_change.html", {
         "subscription": sub, "target": target, "preview": preview, "form": form,
-        "credits": token_plan_status(subscription=sub) if sub else None,
+        "refused": refused, "credits": token_plan_status(subscription=sub) if sub else None,
     }, status=status)
 
 
@@ -332,11 +335,9 @@ def _confirm(request: HttpRequest, access: OrgAccess, *, sub: Subscription | Non
                  target.code if target else ""]
     if _run_once(request, form, operation=operation, call=confirm):
         return redirect("console:plan")
-    for field in ("__all__", "expected"):
-        for error in form.errors.get(field, []):
-            messages.error(request, str(error))
+    refused = [str(e) for field in ("__all__", "expected") for e in form.errors.get(field, [])]
     return _change_page(request, access, sub=sub, target=target, form=type(form)(
-        **({"plans": _plan_choices(org)} if target else {})), status=400)
+        **({"plans": _plan_choices(org)} if target else {})), refused=refused, status=400)
 
 
 @org_page("org.write")

@@ -351,6 +351,21 @@ def test_a_damaged_confirm_form_is_a_message_and_changes_nothing(world, client):
                                          actor_user_id=owner.pk).exists()
 
 
+def test_changing_an_ended_subscription_is_refused_with_a_message(world, client):
+    org, sub, owner, _ = world
+    client.force_login(owner)
+    services.subscription_cancel(subscription=sub, at=timezone.now() - timedelta(minutes=1))
+    preview = client.get(f"/console/plan/{sub.public_id}/change/?plan=pro")
+    assert preview.status_code == 400
+    assert "The subscription is not in force at that time." in preview.content.decode()
+    assert 'id="preview"' not in preview.content.decode()
+    reply = client.post(f"/console/plan/{sub.public_id}/change/",
+                        {"plan": "pro", "idempotency_key": "k", "expected": ""})
+    assert reply.status_code == 400
+    assert reply.content.decode().count("The subscription is not in force at that time.") == 1
+    assert Subscription.objects.filter(organization=org).count() == 1
+
+
 def test_unknown_plans_are_a_message(world, client):
     org, sub, owner, _ = world
     client.force_login(owner)
