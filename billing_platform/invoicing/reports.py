@@ -26,7 +26,7 @@ tables), one section per report; split it by report when another one joins.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 
-from billing_platform.invoicing.builder import Target, late_usage_of
+from billing_platform.invoicing.builder import late_usage_of
 from billing_platform.invoicing.models import Invoice
-from billing_platform.invoicing.selectors import EpochInstants, EpochUs, periods_open
+from billing_platform.invoicing.selectors import LastClose, periods_open_and_last_closes
 from metering.selectors import (
     BUCKET_UNITS,
     usage_late_hours,
@@ -255,13 +255,13 @@ def unbilled_usage(*, org_ids: Sequence[int] | None = None, unit: str = "month",
     rated in another currency than the org's invoices is reported in its own currency (the
     builder leaves it off invoices and logs it; finance should see it).
     """
-    targets = periods_open(org_ids=org_ids)
+    targets, closes = periods_open_and_last_closes(org_ids=org_ids)
     if not targets:
         return []
     with _report_cursor():
         out = [UnbilledUsage(*row) for row in usage_sums_since(
             since={t.org_id: t.period_start for t in targets}, unit=unit, currency=currency)]
-        late = late_usage_of(targets, _late_candidates(targets))
+        late = late_usage_of(targets, _late_candidates(closes))
     if late:
         # the next invoice bills it, in that invoice's currency
         starts = {t.org_id: t.period_start for t in targets}
@@ -283,25 +283,8 @@ def unbilled_usage(*, org_ids: Sequence[int] | None = None, unit: str = "month",
 # recorded (its transaction began) at most this long before it.
 INGEST_TXN_MARGIN = timedelta(hours=1)
 _HOUR = timedelta(hours=1)
-_US = EpochUs.template.replace("%(expressions)s", "{}")  # in raw SQL
-
-# Each org's newest finalized invoice: one probe of index invoice_org_last_final per org (a
-# DISTINCT ON over every invoice grows with history: 4x slower at 10,000 orgs x 11 months);
-# instants as ``EpochUs`` (Django's timestamp loader is the dearer part of 10,000 rows).
-_LAST_CLOSED_SQL = f"""
-SELECT u.org, {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.currency,
-       {_US.format("LEAST(l.created_at, COALESCE(l.finalized_at, l.created_at))")}
-  FROM unnest(string_to_array(%s, ',')::bigint[]) AS u(org)
-  CROSS JOIN LATERAL (
-        SELECT i.period_start, i.period_end, i.currency, i.created_at, i.finalized_at
-          FROM invoicing_invoice i
-         WHERE i.organization_id = u.org AND i.kind = 'invoice' AND i.status <> 'draft'
-         ORDER BY i.period_end DESC
-         LIMIT 1) l
-"""  # noqa: S608 (only our own SQL fragments are interpolated)
-
-
-def _late_candidates(targets: Sequence[Target]) -> list[tuple[int, datetime, datetime, str]]:
+def _late_candidates(closes: Mapping[int, LastClose]
+                     ) -> list[tuple[int, datetime, datetime, str]]:
     """Return the finalized periods (org, start, end, currency) that may hold usage no invoice
     billed yet: those with an event recorded after the org's last close.
 
@@ -316,14 +299,10 @@ def _late_candidates(targets: Sequence[Target]) -> list[tuple[int, datetime, dat
     lookback again as period close does (that was most of the revenue report's time); the
     periods found are then compared with the ledger by the builder's own ``late_usage_of``.
     """
-    with connection.cursor() as cur:
-        cur.execute(_LAST_CLOSED_SQL, [",".join(str(t.org_id) for t in targets)])
-        rows = cur.fetchall()
-    if not rows:
+    last = {org: (c.period_start, c.period_end, c.currency, c.closed_at - INGEST_TXN_MARGIN)
+            for org, c in closes.items()}
+    if not last:
         return []
-    at = EpochInstants()
-    last = {org: (at[ps], at[pe], currency, at[closed] - INGEST_TXN_MARGIN)
-            for org, ps, pe, currency, closed in rows}
     found = {(org, ps, pe, currency) for org in usage_recorded_after(windows=[
         (org, max(ps, since - 2 * _HOUR), pe, since)
         for org, (ps, pe, _, since) in last.items()])

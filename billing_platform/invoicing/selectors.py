@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
-from django.db.models import BigIntegerField, Func, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db import connection
+from django.db.models import BigIntegerField, Func, Max, Q, QuerySet, Sum
 from django.utils import timezone
+from django.utils.functional import cached_property
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
@@ -45,13 +47,6 @@ def _anchor(subs: Iterable[Subscription], at: datetime) -> datetime:
     return CALENDAR_ANCHOR
 
 
-# An organization's newest finalized invoice's period end, off index invoice_org_last_final
-# (one probe per organization: a max over every invoice grows with history)
-_LAST_FINAL_END = Subquery(
-    Invoice.objects.filter(organization_id=OuterRef("id"), kind=InvoiceKind.INVOICE)
-    .exclude(status=InvoiceStatus.DRAFT).order_by("-period_end").values("period_end")[:1])
-
-
 class EpochUs(Func):
     """An instant as integer microseconds since the Unix epoch, exactly.
 
@@ -63,6 +58,12 @@ class EpochUs(Func):
     template = "(extract(epoch FROM %(expressions)s) * 1000000)::bigint"
     output_field = BigIntegerField()
 
+    @cached_property
+    def convert_value(self) -> Any:
+        # the database returns an int already: no int() per row (Django skips a noop; the
+        # stubs lack it)
+        return self._convert_value_noop  # type: ignore[attr-defined]
+
 
 class EpochInstants(dict[int, datetime]):
     """``EpochUs`` values as aware UTC instants (``instants[us]``), each converted once."""
@@ -72,24 +73,65 @@ class EpochInstants(dict[int, datetime]):
         return at
 
 
-def _org_rows(orgs: QuerySet[Organization]) -> list[tuple[Any, ...]]:
-    """Return (id, currency, tax rate, creation, end of the last invoiced period or None) of
-    ``orgs`` by id: the end of its newest invoice (not credit note), a draft's included."""
-    rows = list(orgs.order_by("id").values_list(
-        "id", "currency", "tax_rate", EpochUs("created_at"), EpochUs(_LAST_FINAL_END)))
+class LastClose(NamedTuple):
+    """An organization's newest finalized invoice (not credit note): its period, currency,
+    and when it was closed (created, or finalized if that came first)."""
+
+    period_start: datetime
+    period_end: datetime
+    currency: str
+    closed_at: datetime
+
+
+_US = EpochUs.template.replace("%(expressions)s", "{}")  # in raw SQL
+# One probe of index invoice_org_last_final per org (a max or DISTINCT ON over every invoice
+# grows with history: 184 ms against 45 ms at 10,000 orgs x 11 months), instants as EpochUs.
+_LAST_CLOSES_SQL = f"""
+SELECT u.org, {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.currency,
+       {_US.format("LEAST(l.created_at, COALESCE(l.finalized_at, l.created_at))")}
+  FROM unnest(string_to_array(%s, ',')::bigint[]) AS u(org)
+  CROSS JOIN LATERAL (
+        SELECT i.period_start, i.period_end, i.currency, i.created_at, i.finalized_at
+          FROM invoicing_invoice i
+         WHERE i.organization_id = u.org AND i.kind = 'invoice' AND i.status <> 'draft'
+         ORDER BY i.period_end DESC
+         LIMIT 1) l
+"""  # noqa: S608 (only our own SQL fragments are interpolated)
+
+
+def last_closes(*, org_ids: Iterable[int]) -> dict[int, LastClose]:
+    """Return each organization's newest finalized invoice (those that have one). One query."""
+    with connection.cursor() as cur:
+        cur.execute(_LAST_CLOSES_SQL, [",".join(map(str, org_ids))])
+        rows = cur.fetchall()
     at = EpochInstants()
+    return {org: LastClose(at[ps], at[pe], currency, at[closed])
+            for org, ps, pe, currency, closed in rows}
+
+
+def _org_rows(orgs: QuerySet[Organization]) -> tuple[list[tuple[Any, ...]],
+                                                     dict[int, LastClose]]:
+    """Return (id, currency, tax rate, creation, end of the last invoiced period or None) of
+    ``orgs`` by id, and their last closes: the end is its newest invoice's (not credit
+    note's), a draft's included."""
+    at = EpochInstants()
+    rows = [(org, currency, tax_rate, at[created_us]) for org, currency, tax_rate, created_us
+            in orgs.order_by("id").values_list("id", "currency", "tax_rate",
+                                               EpochUs("created_at"))]
+    closes = last_closes(org_ids=[r[0] for r in rows])
     # drafts live inside period close's transaction only; index (status, ...) finds them
     drafts = dict(Invoice.objects.filter(organization_id__in=orgs.values("id"),
                                          kind=InvoiceKind.INVOICE, status=InvoiceStatus.DRAFT)
                   .values("organization_id").annotate(end=Max("period_end"))
                   .values_list("organization_id", "end"))
     out = []
-    for org, currency, tax_rate, created_us, end_us in rows:
-        end = None if end_us is None else at[end_us]
-        if org in drafts:
-            end = max(e for e in (end, drafts[org]) if e is not None)
-        out.append((org, currency, tax_rate, at[created_us], end))
-    return out
+    for row in rows:
+        last = closes.get(row[0])
+        end = None if last is None else last.period_end
+        if row[0] in drafts:
+            end = max(e for e in (end, drafts[row[0]]) if e is not None)
+        out.append((*row, end))
+    return out, closes
 
 
 def _targets(orgs: list[tuple[Any, ...]], *, subscriptions_of: Any, now: datetime,
@@ -132,8 +174,19 @@ def periods_due(*, now: datetime | None = None, org_ids: Iterable[int] | None = 
     orgs = Organization.objects.exclude(status=OrgStatus.CLOSED)
     if org_ids is not None:
         orgs = orgs.filter(id__in=list(org_ids))
-    return _targets(_org_rows(orgs), subscriptions_of=orgs.values("id"),
+    return _targets(_org_rows(orgs)[0], subscriptions_of=orgs.values("id"),
                     now=now or timezone.now(), due_only=True)
+
+
+def periods_open_and_last_closes(*, org_ids: Iterable[int] | None = None
+                                 ) -> tuple[list[Target], dict[int, LastClose]]:
+    """Return ``periods_open`` and the organizations' ``last_closes``, read once for both."""
+    orgs = Organization.objects.all()
+    if org_ids is not None:
+        orgs = orgs.filter(id__in=list(org_ids))
+    rows, closes = _org_rows(orgs)
+    return _targets(rows, subscriptions_of=orgs.values("id"), now=timezone.now(),
+                    due_only=False), closes
 
 
 def periods_open(*, org_ids: Iterable[int] | None = None) -> list[Target]:
@@ -141,18 +194,14 @@ def periods_open(*, org_ids: Iterable[int] | None = None) -> list[Target]:
 
     That is the period its draft bills: the current one, or an ended one not closed yet.
     """
-    orgs = Organization.objects.all()
-    if org_ids is not None:
-        orgs = orgs.filter(id__in=list(org_ids))
-    return _targets(_org_rows(orgs), subscriptions_of=orgs.values("id"), now=timezone.now(),
-                    due_only=False)
+    return periods_open_and_last_closes(org_ids=org_ids)[0]
 
 
 def upcoming_invoice(*, organization: Organization, now: datetime | None = None
                      ) -> DraftInvoice:
     """Return the current period's invoice as it stands now (not stored; credits previewed)."""
     now = now or timezone.now()
-    ((*_, last_end),) = _org_rows(Organization.objects.filter(id=organization.id))
+    ((*_, last_end),) = _org_rows(Organization.objects.filter(id=organization.id))[0]
     (target,) = _targets([(organization.id, organization.currency, organization.tax_rate,
                            organization.created_at, last_end)],
                          subscriptions_of=[organization.id], now=now, due_only=False)

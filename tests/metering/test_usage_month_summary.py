@@ -148,6 +148,36 @@ def test_usage_since_an_instant_is_every_event_from_it_on_to_the_microsecond(spr
     assert {r.bucket for r in rows} <= {datetime(since.year, since.month, 1, tzinfo=UTC)}
 
 
+def test_usage_since_many_orgs_and_instants_is_summed_per_bucket(spread):
+    # given a second org with events of its own, and three orgs' instants: a month start, a
+    # mid-hour mid-month instant, and one on the 1st at 00:00 of the same month as another
+    other = make_billed_org(name="Other", created_at=datetime(2026, 8, 1, tzinfo=UTC))
+    third = make_billed_org(name="Third", created_at=datetime(2026, 8, 1, tzinfo=UTC))
+    for i, when in enumerate([datetime(2026, 10, 3, 7, 15, tzinfo=UTC),
+                              datetime(2026, 10, 15, 10, 45, tzinfo=UTC),
+                              datetime(2026, 11, 20, tzinfo=UTC)]):
+        record(other, f"o{i}", when, prompt_tokens=7 * 10 ** i)
+        record(third, f"t{i}", when, prompt_tokens=3 * 10 ** i)
+    since = {spread.id: datetime(2026, 10, 15, 10, 30, tzinfo=UTC),
+             other.id: datetime(2026, 10, 1, tzinfo=UTC),
+             third.id: datetime(2026, 10, 15, 10, 30, tzinfo=UTC)}
+    # when summed by day of each org's instant
+    rows = usage_sums_since(since=since, unit="day")
+    # then each bucket holds exactly its orgs' events from their instants on
+    got: dict[datetime, int] = {}
+    for r in rows:
+        got[r.bucket] = got.get(r.bucket, 0) + r.input_tokens
+    expected: dict[datetime, int] = {}
+    for org_id, at in since.items():
+        day = at.replace(hour=0, minute=0, second=0, microsecond=0)
+        tokens = UsageEvent.objects.filter(organization_id=org_id, event_time__gte=at
+                                           ).aggregate(p=Sum("prompt_tokens"))["p"]
+        expected[day] = expected.get(day, 0) + tokens
+    assert got == expected
+    assert got[datetime(2026, 10, 15, tzinfo=UTC)] == (
+        10 ** 4 + 10 ** 5 + 10 ** 6 + 10 ** 7 + 10 ** 8 + 30 + 300)
+
+
 def test_accrued_revenue_of_a_mid_month_anchor_is_the_hand_computation(db):
     # given an org billed on a plan anchored mid-month, mid-hour, half a millisecond in
     make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
