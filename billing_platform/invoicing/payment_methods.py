@@ -151,6 +151,13 @@ def setup_intent_of(*, organization: Organization, setup_intent_id: str) -> dict
     return intent
 
 
+def _replaced_by(organization: Organization, setup_intent_id: str) -> bool:
+    """Return whether the card of this SetupIntent replaced the one on file already."""
+    return audit_events(organization=organization, action=REPLACED,
+                        target=organization.public_id).filter(
+        after__setup_intent=setup_intent_id).exists()
+
+
 def payment_method_replace(*, organization: Organization, setup_intent_id: str,
                            acting_user: Any, now: datetime | None = None
                            ) -> PaymentMethodReplaced:
@@ -170,9 +177,12 @@ def payment_method_replace(*, organization: Organization, setup_intent_id: str,
             f"The card was not saved: the card setup is {status.replace('_', ' ')}"
             + (f" ({error})" if error else "") + ". Please enter a card again.",
             param="setup_intent")
+    card = card_of(stripe_client.payment_method_retrieve(payment_method))
+    if _replaced_by(organization, setup_intent_id):
+        # done before: never again, not even after a later card replaced this one
+        return PaymentMethodReplaced(card=card, previous=None, invoices_due=[])
     previous = payment_method_on_file(organization=organization)
     previous_id = previous.payment_method_id if previous else None
-    card = card_of(stripe_client.payment_method_retrieve(payment_method))
     if previous_id != payment_method:
         stripe_client.customer_default_payment_method_set(
             customer_id=str(intent["customer"]), payment_method_id=payment_method,
@@ -180,13 +190,10 @@ def payment_method_replace(*, organization: Organization, setup_intent_id: str,
                             f"{setup_intent_id}")
     with transaction.atomic():
         BillingAccount.objects.select_for_update().get(organization=organization)  # one at once
-        done = audit_events(organization=organization, action=REPLACED,
-                            target=organization.public_id).filter(
-            after__setup_intent=setup_intent_id).exists()
-        if done:  # this SetupIntent's card replaced the one before it already
+        if _replaced_by(organization, setup_intent_id):  # a concurrent send did it
             return PaymentMethodReplaced(card=card, previous=None, invoices_due=[])
-        # (previous_id == payment_method here: Stripe took the card but we crashed before
-        # recording it; this finishes the replacement)
+        # previous_id may already be this card: Stripe took it, but the row was never written
+        # (a crash, Stripe's answer lost); this finishes the replacement
         audit_record(acting_user=acting_user, organization=organization, action=REPLACED,
                      target=organization.public_id,
                      before=previous.audited() if previous and previous_id != payment_method

@@ -191,6 +191,12 @@ def test_a_replaced_card_is_audited_with_the_one_before(payer, client):
     assert (latest.after["brand"], latest.after["last4"], latest.after["expiry"]) == (
         "mastercard", "4444", "08/2031")
 
+    # the first SetupIntent sent again in a new form does not bring its card back
+    complete(client, first, "k5")
+    page = client.get("/console/billing/").content.decode()
+    assert "<strong>Mastercard</strong> ending in" in page
+    assert AuditEvent.objects.filter(action=REPLACED).count() == 2
+
 
 def test_a_declined_card_saves_nothing_and_says_so(payer, client,
                                                    django_capture_on_commit_callbacks):
