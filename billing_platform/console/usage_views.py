@@ -147,7 +147,7 @@ def _api_params(get: QueryDict) -> tuple[dict[str, str], str, str, str]:
     if through:
         try:
             params["end"] = (date.fromisoformat(through) + timedelta(days=1)).isoformat()
-        except ValueError:
+        except (ValueError, OverflowError):  # not a date, or the last one there is
             raise InvalidRequest("through must be a date (YYYY-MM-DD), the last day of the "
                                  "range.", param="through") from None
     group = get.get("group") or "day"

@@ -250,6 +250,8 @@ def test_explorer_default_is_this_month_by_day_and_model_with_exact_amounts(clie
     ({"start": "2026-13-01"}, "start must be a date"),
     ({"start": "yesterday"}, "start must be a date"),
     ({"start": "2026-10-01", "through": "31/10/2026"}, "through must be a date"),
+    ({"start": "2026-10-01", "through": "9999-12-31"}, "through must be a date"),
+    ({"start": "0001-01-01", "through": "2026-10-31"}, "at most 366 days"),
     ({"start": "2026-10-05", "through": "2026-10-01"}, "end must be after start"),
     ({"start": "2026-10-01T10:30:00Z"}, "on the hour"),
     ({"group": "colour"}, "group must be one of"),
