@@ -21,6 +21,12 @@ Replacing the card is two steps, each run once per console form (its idempotency
   (``payments.open_invoices_charge_now``), whose charges the charge task makes after commit,
   as it does when Stripe reports a new default card (``customer.updated``).
 
+When the browser confirmed the SetupIntent but its form never came back (closed, offline),
+Stripe's ``setup_intent.succeeded`` webhook makes up for it: five minutes later (so the form,
+which names who saved the card, normally does it first) ``payment_method_save_reported`` saves
+the card by the system, unless this SetupIntent's card was saved already or a card was saved
+since the SetupIntent was made (a late webhook never brings a replaced card back).
+
 The previous card stays attached to the customer but is no longer charged: Stripe keeps it for
 refunds and disputes of the payments it made.
 """
@@ -28,7 +34,7 @@ refunds and disputes of the payments it made.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import stripe
@@ -202,3 +208,46 @@ def payment_method_replace(*, organization: Organization, setup_intent_id: str,
         due = open_invoices_charge_now(organization_id=organization.pk,
                                        now=now or timezone.now())
     return PaymentMethodReplaced(card=card, previous=previous, invoices_due=due)
+
+
+# Stripe reports a SetupIntent within a second or so, as the browser posts the console's form;
+# the webhook's save waits this long so that the form, which names who saved the card, is the
+# one that normally does it, and the webhook only makes up for a form that never came.
+REPORTED_SAVE_DELAY_S = 300
+
+
+def payment_method_save_enqueue(organization_id: int, setup_intent_id: str) -> None:
+    """Enqueue the save of a SetupIntent's card that Stripe reported (call it on commit)."""
+    from billing_platform.invoicing.tasks import payment_method_save_task  # tasks import us
+
+    payment_method_save_task.apply_async((organization_id, setup_intent_id),
+                                         countdown=REPORTED_SAVE_DELAY_S)
+
+
+def payment_method_save_reported(*, organization_id: int, setup_intent_id: str) -> str:
+    """Save the card of a SetupIntent Stripe reports succeeded (``setup_intent.succeeded``),
+    for when the browser confirmed it but its form never came back (closed, offline).
+
+    The webhook's copy is not believed: the SetupIntent is read back from Stripe and taken
+    only as ``payment_method_replace`` takes it (this organization's, succeeded), once, by
+    the system (no acting user). One older than the card saved last is left alone, so a late
+    webhook never brings back a card that was replaced since. Returns what was done.
+    """
+    organization = Organization.objects.get(pk=organization_id)
+    if _replaced_by(organization, setup_intent_id):
+        return "already saved"
+    try:
+        intent = setup_intent_of(organization=organization, setup_intent_id=setup_intent_id)
+    except NotFound:
+        return "ignored: not a card setup of this organization"
+    started = datetime.fromtimestamp(int(intent.get("created") or 0), tz=UTC)
+    latest = audit_events(organization=organization, action=REPLACED,
+                          target=organization.public_id).first()
+    if latest is not None and latest.created_at >= started:
+        return "ignored: a card saved since replaced it"
+    try:
+        done = payment_method_replace(organization=organization,
+                                      setup_intent_id=setup_intent_id, acting_user=None)
+    except InvalidRequest as exc:
+        return f"ignored: {exc.message}"
+    return f"saved {done.card.brand} {done.card.last4}, {len(done.invoices_due)} invoice(s) due"

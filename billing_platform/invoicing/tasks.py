@@ -38,6 +38,17 @@ def refund_send_task(refund_id: int) -> str:
     return services.refund_send(refund_id=refund_id)
 
 
+@shared_task(name="invoicing.payment_method_save", autoretry_for=STRIPE_TRANSIENT,
+             retry_backoff=5, retry_backoff_max=600, retry_jitter=True, max_retries=10)
+def payment_method_save_task(organization_id: int, setup_intent_id: str) -> str:
+    """Save the card of a SetupIntent Stripe reported succeeded (once: see
+    ``payment_methods.payment_method_save_reported``)."""
+    from billing_platform.invoicing import payment_methods
+
+    return payment_methods.payment_method_save_reported(organization_id=organization_id,
+                                                        setup_intent_id=setup_intent_id)
+
+
 @shared_task(name="invoicing.dunning")
 def dunning_task() -> int:
     """Enqueue a charge for every invoice whose dunning retry is due."""

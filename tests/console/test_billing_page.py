@@ -348,3 +348,52 @@ def test_stripe_not_answering_changes_nothing_and_the_same_form_works_later(
     assert "Saved: invoices are now charged to the Visa ending in 4242" in client.get(
         "/console/billing/").content.decode()
     assert len(enqueued) == 1 and AuditEvent.objects.filter(action=REPLACED).count() == 1
+
+
+def test_a_card_whose_form_never_came_back_is_saved_from_stripes_webhook(
+        payer, client, stripe_webhook_inbox, django_capture_on_commit_callbacks):
+    # given a card confirmed in the browser for the payer, and another one before it that
+    # was saved through the console (its SetupIntent older than the one saved last)
+    client.force_login(member(payer, Role.OWNER))
+    older = start_setup(client, "k1")
+    confirm(older, "pm_card_mastercard")
+    seti = start_setup(client, "k2")
+    confirm(seti)
+    # the console's form for the newer one never comes back (the browser was closed)
+
+    # when Stripe's signed setup_intent.succeeded for it arrives
+    delivery = stripe_webhook_inbox.take("setup_intent.succeeded", object_id=seti)
+    with django_capture_on_commit_callbacks() as enqueued:
+        reply = client.post("/stripe/webhook/", delivery.body, content_type="application/json",
+                            HTTP_STRIPE_SIGNATURE=delivery.signature)
+    assert reply.status_code == 200
+    assert StripeEvent.objects.get(stripe_id=delivery.event["id"]).outcome == (
+        f"saving the card of {seti}")
+    assert len(enqueued) == 1
+
+    # then the save task (enqueued after commit) saves it, by the system, once
+    from billing_platform.invoicing.tasks import payment_method_save_task
+
+    with django_capture_on_commit_callbacks() as charges:
+        assert payment_method_save_task.apply(args=(payer.id, seti)).get() == (
+            "saved visa 4242, 1 invoice(s) due")
+    assert len(charges) == 1
+    (row,) = AuditEvent.objects.filter(action=REPLACED)
+    assert (row.actor_user_id, row.after["setup_intent"]) == (None, seti)
+    assert "<strong>Visa</strong> ending in" in client.get("/console/billing/").content.decode()
+    assert payment_method_save_task.apply(args=(payer.id, seti)).get() == "already saved"
+
+    # a late webhook of the older SetupIntent does not bring its card back
+    assert payment_method_save_task.apply(args=(payer.id, older)).get() == (
+        "ignored: a card saved since replaced it")
+    # nor does a SetupIntent of another organization's customer
+    other = make_billed_org(name="Other")
+    client.force_login(member(other, Role.OWNER))
+    theirs = start_setup(client, "k3")
+    confirm(theirs)
+    assert payment_method_save_task.apply(args=(payer.id, theirs)).get() == (
+        "ignored: not a card setup of this organization")
+    assert AuditEvent.objects.filter(action=REPLACED).count() == 1
+    customer_id = BillingAccount.objects.get(organization=payer).stripe_customer_id
+    assert stripe_client.payment_method_retrieve(
+        stripe_client.default_payment_method(customer_id))["card"]["last4"] == "4242"

@@ -197,6 +197,22 @@ def _customer_updated(customer: dict[str, Any], *, now: datetime) -> str:
     return f"retrying {len(ids)} open invoice(s)"
 
 
+def _setup_intent_succeeded(intent: dict[str, Any]) -> str:
+    """A card set up for one of our customers: save it after commit, in case the console's
+    form that does so never came back (``payment_methods.payment_method_save_reported``
+    reads the SetupIntent back from Stripe; this payload is not believed)."""
+    from billing_platform.invoicing.payment_methods import payment_method_save_enqueue
+
+    customer_id, setup_intent_id = intent.get("customer"), str(intent.get("id") or "")
+    account = (BillingAccount.objects.filter(stripe_customer_id=customer_id).first()
+               if customer_id and setup_intent_id.startswith("seti_") else None)
+    if account is None:
+        return "ignored: not a card setup of one of our customers"
+    organization_id = account.organization_id
+    transaction.on_commit(lambda: payment_method_save_enqueue(organization_id, setup_intent_id))
+    return f"saving the card of {setup_intent_id[:80]}"
+
+
 def _text(value: Decimal, currency: str) -> str:
     return str(quantize_money(value, currency))
 
@@ -424,6 +440,8 @@ def stripe_webhook_receive(*, payload: bytes, signature: str) -> StripeEvent:
             raw.outcome = _dispute(obj, now=now)
         elif raw.type == "customer.updated":
             raw.outcome = _customer_updated(obj, now=now)
+        elif raw.type == "setup_intent.succeeded":
+            raw.outcome = _setup_intent_succeeded(obj)
         else:
             raw.outcome = "ignored: event type not handled"
         raw.outcome = raw.outcome[:300]
