@@ -18,7 +18,11 @@ invoices, lines, unpaid invoices, report rows, a reconciliation check: the reven
 billed totals equal the invoices' totals per month and currency), the time of the revenue
 report's billed and accrued halves once each (the billed half off the ``BilledRevenue``
 summary; ``revenue_billed_from_lines_once_ms`` the same sums off every line, and
-``billed_summary_equals_lines`` whether the two agree row for row), the load average when it
+``billed_summary_equals_lines`` whether the two agree row for row), the accrued half's parts
+once each (``accrued_periods_once_ms``: open periods and last closes;
+``accrued_usage_since_once_ms``: the usage since the periods' starts;
+``accrued_late_once_ms``: late-usage candidates compared with the ledger), the load average
+when it
 ended, plus ``setup_seconds``. ``--keep`` then ``--reuse`` times the reports again without
 rebuilding.
 
@@ -260,6 +264,22 @@ def main() -> None:
         t = time.perf_counter()
         run()
         timings[name] = [(time.perf_counter() - t) * 1000]
+    # and the accrued half's parts, once each: the open periods (with the last closes), the
+    # usage since their starts, the late-usage candidates and their comparison with the ledger
+    from billing_platform.invoicing.builder import late_usage_of
+    from billing_platform.invoicing.selectors import periods_open_and_last_closes
+    from metering.selectors import usage_sums_since
+
+    t = time.perf_counter()
+    targets, closes = periods_open_and_last_closes()
+    timings["accrued_periods_once_ms"] = [(time.perf_counter() - t) * 1000]
+    with invoicing_reports._report_cursor():
+        t = time.perf_counter()
+        usage_sums_since(since={x.org_id: x.period_start for x in targets})
+        timings["accrued_usage_since_once_ms"] = [(time.perf_counter() - t) * 1000]
+        t = time.perf_counter()
+        late_usage_of(targets, invoicing_reports._late_candidates(closes))
+        timings["accrued_late_once_ms"] = [(time.perf_counter() - t) * 1000]
     out: dict[str, object] = {}
     for name, values in list(timings.items())[:2]:
         out[f"{name}_p50_ms"] = round(statistics.median(values), 1)

@@ -592,27 +592,27 @@ def usage_sums_since(*, since: Mapping[int, datetime], unit: str = "month",
 
 _RECORDED_AFTER_SQL = """
 SELECT t.org
-  FROM (SELECT %s::timestamptz[] AS at) a,
-       unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, ',')::int[],
-              string_to_array(%s, ',')::int[], string_to_array(%s, ',')::int[])
-       AS t(org, lo, hi, since)
+  FROM (SELECT %s::timestamptz[] AS lo, %s::timestamptz[] AS hi, %s::timestamptz[] AS since) a,
+       unnest(string_to_array(%s, ',')::bigint[], string_to_array(%s, ',')::int[]) AS t(org, w)
  WHERE EXISTS (SELECT 1 FROM usage_event e
-                WHERE e.organization_id = t.org AND e.event_time >= a.at[t.lo]
-                  AND e.event_time < a.at[t.hi] AND e.recorded_at >= a.at[t.since])
+                WHERE e.organization_id = t.org AND e.event_time >= a.lo[t.w]
+                  AND e.event_time < a.hi[t.w] AND e.recorded_at >= a.since[t.w])
 """
 
 
-def usage_recorded_after(*, windows: Sequence[tuple[int, datetime, datetime, datetime]]
+def usage_recorded_after(*, windows: Sequence[tuple[Sequence[int], datetime, datetime, datetime]]
                          ) -> set[int]:
-    """Return the orgs of ``windows`` (org, start, end, since) that have an event with an event
-    time in [start, end) recorded at or after ``since``. One query (one index probe each)."""
-    windows = [w for w in windows if w[1] < w[2]]  # an empty range holds no event
+    """Return the orgs of ``windows`` (orgs, start, end, since) that have an event with an
+    event time in [start, end) recorded at or after ``since``. One query (one index probe per
+    org)."""
+    windows = [w for w in windows if w[1] < w[2] and w[0]]  # an empty range holds no event
     if not windows:
         return set()
-    orgs, *times = zip(*windows, strict=True)
-    instants, index = _instants(*times)
+    orgs = ",".join(_joined(w[0]) for w in windows)
+    index = ",".join(",".join([str(n)] * len(w[0])) for n, w in enumerate(windows, start=1))
     with connection.cursor() as cur:
-        cur.execute(_RECORDED_AFTER_SQL, [instants, _joined(orgs), *index])
+        cur.execute(_RECORDED_AFTER_SQL, [[w[1] for w in windows], [w[2] for w in windows],
+                                          [w[3] for w in windows], orgs, index])
         return {org for (org,) in cur}
 
 

@@ -283,7 +283,7 @@ def unbilled_usage(*, org_ids: Sequence[int] | None = None, unit: str = "month",
 # recorded (its transaction began) at most this long before it.
 INGEST_TXN_MARGIN = timedelta(hours=1)
 _HOUR = timedelta(hours=1)
-def _late_candidates(closes: Mapping[int, LastClose]
+def _late_candidates(closes: Mapping[LastClose, Sequence[int]]
                      ) -> list[tuple[int, datetime, datetime, str]]:
     """Return the finalized periods (org, start, end, currency) that may hold usage no invoice
     billed yet: those with an event recorded after the org's last close.
@@ -299,15 +299,17 @@ def _late_candidates(closes: Mapping[int, LastClose]
     lookback again as period close does (that was most of the revenue report's time); the
     periods found are then compared with the ledger by the builder's own ``late_usage_of``.
     """
-    last = {org: (c.period_start, c.period_end, c.currency, c.closed_at - INGEST_TXN_MARGIN)
-            for org, c in closes.items()}
-    if not last:
-        return []
-    found = {(org, ps, pe, currency) for org in usage_recorded_after(windows=[
-        (org, max(ps, since - 2 * _HOUR), pe, since)
-        for org, (ps, pe, _, since) in last.items()])
-        for ps, pe, currency, _ in [last[org]]}
-    marked = usage_late_hours(since={org: since for org, (*_, since) in last.items()})
+    # per close (most orgs share one): its window and the orgs with an event recorded since
+    since = {close: close.closed_at - INGEST_TXN_MARGIN for close in closes}
+    recorded = usage_recorded_after(windows=[
+        (orgs, max(close.period_start, since[close] - 2 * _HOUR), close.period_end,
+         since[close]) for close, orgs in closes.items()])
+    found = {(org, close.period_start, close.period_end, close.currency)
+             for close, orgs in closes.items() for org in recorded.intersection(orgs)}
+    since_of: dict[int, datetime] = {}
+    for close, orgs in closes.items():
+        since_of.update(dict.fromkeys(orgs, since[close]))
+    marked = usage_late_hours(since=since_of)
     if marked:
         for org, ps, pe, currency in (
                 Invoice.objects.filter(organization_id__in=list(marked), kind="invoice")

@@ -87,8 +87,9 @@ _US = EpochUs.template.replace("%(expressions)s", "{}")  # in raw SQL
 # One probe of index invoice_org_last_final per org (a max or DISTINCT ON over every invoice
 # grows with history: 184 ms against 45 ms at 10,000 orgs x 11 months), instants as EpochUs.
 _LAST_CLOSES_SQL = f"""
-SELECT u.org, {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.currency,
-       {_US.format("LEAST(l.created_at, COALESCE(l.finalized_at, l.created_at))")}
+SELECT {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.currency,
+       {_US.format("LEAST(l.created_at, COALESCE(l.finalized_at, l.created_at))")},
+       string_agg(u.org::text, ',')
   FROM unnest(string_to_array(%s, ',')::bigint[]) AS u(org)
   CROSS JOIN LATERAL (
         SELECT i.period_start, i.period_end, i.currency, i.created_at, i.finalized_at
@@ -96,42 +97,43 @@ SELECT u.org, {_US.format("l.period_start")}, {_US.format("l.period_end")}, l.cu
          WHERE i.organization_id = u.org AND i.kind = 'invoice' AND i.status <> 'draft'
          ORDER BY i.period_end DESC
          LIMIT 1) l
+ GROUP BY 1, 2, 3, 4
 """  # noqa: S608 (only our own SQL fragments are interpolated)
 
 
-def last_closes(*, org_ids: Iterable[int]) -> dict[int, LastClose]:
-    """Return each organization's newest finalized invoice (those that have one). One query."""
+def last_closes(*, org_ids: Iterable[int]) -> dict[LastClose, list[int]]:
+    """Return the organizations (those with a finalized invoice) by their newest finalized
+    invoice's close: most share one (a period close run), so a few rows come back, not one
+    per organization. One query."""
     with connection.cursor() as cur:
         cur.execute(_LAST_CLOSES_SQL, [",".join(map(str, org_ids))])
         rows = cur.fetchall()
     at = EpochInstants()
-    return {org: LastClose(at[ps], at[pe], currency, at[closed])
-            for org, ps, pe, currency, closed in rows}
+    return {LastClose(at[ps], at[pe], currency, at[closed]): list(map(int, orgs.split(",")))
+            for ps, pe, currency, closed, orgs in rows}
 
 
 def _org_rows(orgs: QuerySet[Organization]) -> tuple[list[tuple[Any, ...]],
-                                                     dict[int, LastClose]]:
+                                                     dict[LastClose, list[int]]]:
     """Return (id, currency, tax rate, creation, end of the last invoiced period or None) of
-    ``orgs`` by id, and their last closes: the end is its newest invoice's (not credit
+    ``orgs`` by id, and their ``last_closes``: the end is its newest invoice's (not credit
     note's), a draft's included."""
     at = EpochInstants()
     rows = [(org, currency, tax_rate, at[created_us]) for org, currency, tax_rate, created_us
             in orgs.order_by("id").values_list("id", "currency", "tax_rate",
                                                EpochUs("created_at"))]
     closes = last_closes(org_ids=[r[0] for r in rows])
+    end_of: dict[int, datetime] = {}
+    for close, ids in closes.items():
+        end_of.update(dict.fromkeys(ids, close.period_end))
     # drafts live inside period close's transaction only; index (status, ...) finds them
-    drafts = dict(Invoice.objects.filter(organization_id__in=orgs.values("id"),
-                                         kind=InvoiceKind.INVOICE, status=InvoiceStatus.DRAFT)
-                  .values("organization_id").annotate(end=Max("period_end"))
-                  .values_list("organization_id", "end"))
-    out = []
-    for row in rows:
-        last = closes.get(row[0])
-        end = None if last is None else last.period_end
-        if row[0] in drafts:
-            end = max(e for e in (end, drafts[row[0]]) if e is not None)
-        out.append((*row, end))
-    return out, closes
+    for org, end in (Invoice.objects.filter(organization_id__in=orgs.values("id"),
+                                            kind=InvoiceKind.INVOICE,
+                                            status=InvoiceStatus.DRAFT)
+                     .values("organization_id").annotate(end=Max("period_end"))
+                     .values_list("organization_id", "end")):
+        end_of[org] = max(end, end_of.get(org, end))
+    return [(*row, end_of.get(row[0])) for row in rows], closes
 
 
 def _targets(orgs: list[tuple[Any, ...]], *, subscriptions_of: Any, now: datetime,
@@ -156,12 +158,17 @@ def _targets(orgs: list[tuple[Any, ...]], *, subscriptions_of: Any, now: datetim
 
     out = []
     for org_id, currency, tax_rate, created_at, last_end in orgs:
-        org_subs = subs.get(org_id, [])
+        org_subs = subs.get(org_id)
         start = last_end
-        if start is None:
-            start = bounds(_anchor(org_subs, created_at), created_at)[0]
-        # to the next boundary of the anchor in force at its start
-        end = bounds(_anchor(org_subs, start), start)[1]
+        if org_subs is None:  # on no plan: calendar months (most orgs; the same bounds)
+            if start is None:
+                start = bounds(CALENDAR_ANCHOR, created_at)[0]
+            end = bounds(CALENDAR_ANCHOR, start)[1]
+        else:
+            if start is None:
+                start = bounds(_anchor(org_subs, created_at), created_at)[0]
+            # to the next boundary of the anchor in force at its start
+            end = bounds(_anchor(org_subs, start), start)[1]
         if due_only and end > now:
             continue
         out.append(Target(org_id, currency, tax_rate, start, end))
@@ -179,7 +186,7 @@ def periods_due(*, now: datetime | None = None, org_ids: Iterable[int] | None = 
 
 
 def periods_open_and_last_closes(*, org_ids: Iterable[int] | None = None
-                                 ) -> tuple[list[Target], dict[int, LastClose]]:
+                                 ) -> tuple[list[Target], dict[LastClose, list[int]]]:
     """Return ``periods_open`` and the organizations' ``last_closes``, read once for both."""
     orgs = Organization.objects.all()
     if org_ids is not None:
