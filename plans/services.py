@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_CEILING, Context, Decimal, localcontext
 from typing import Any
 
 from django.db import transaction
@@ -48,8 +48,10 @@ from plans.models import (
     ProvisionedOffering,
     Reservation,
     Subscription,
+    TokenPlanPeriod,
+    TokenPlanUsage,
 )
-from plans.periods import add_months
+from plans.periods import add_months, period_bounds
 
 PRICE_FIELDS = ("input", "cached_input", "output", "cache_write")
 
@@ -377,11 +379,13 @@ def subscription_change(*, subscription: Subscription, plan: Plan,
                         at: datetime | None = None, acting_user: Any) -> Subscription:
     """Move an organization from ``subscription`` to ``plan`` at ``at`` (default now).
 
-    One transaction: the old subscription ends at ``at``, the new one starts then (its own
-    billing anchor, as ``subscription_create`` sets it), and unused, unexpired credit-pack
-    credits move to it when the new plan is a token plan (credits bought are the customer's,
-    not the old plan's). Invoices prorate both by time
-    (``selectors.subscription_months_in_period``). One audit row, ``subscription.change``.
+    One transaction: the old subscription ends at ``at``, the new one starts then on the same
+    billing anchor (the billing cycle stays, as Stripe keeps it on a plan change; invoices
+    prorate both fees by time, ``selectors.subscription_months_in_period``), and unused,
+    unexpired credit-pack credits move to it when the new plan is a token plan (credits bought
+    are the customer's, not the old plan's). From one token plan to another, the new plan
+    starts where the old one stands (``_carry_plan_credits``): a change, or a change back,
+    never hands out a fresh period of credits. One audit row, ``subscription.change``.
     """
     at = _aware(at or timezone.now(), "at")
     if plan.pk == subscription.plan_id:
@@ -405,9 +409,12 @@ def subscription_change(*, subscription: Subscription, plan: Plan,
         subscription.ends_at = at
         subscription.save(update_fields=["ends_at"])
         new = Subscription.objects.create(
-            organization=org, plan=plan, starts_at=at, billing_anchor=at,
-            data_zone=subscription.data_zone)
+            organization=org, plan=plan, starts_at=at,
+            billing_anchor=subscription.billing_anchor, data_zone=subscription.data_zone)
         moved: list[str] = []
+        carried: dict[str, Any] = {}
+        if plan.kind == PlanKind.TOKEN_PLAN and old_plan.kind == PlanKind.TOKEN_PLAN:
+            carried = _carry_plan_credits(old=subscription, new=new, at=at)
         if plan.kind == PlanKind.TOKEN_PLAN:
             packs = (CreditPackPurchase.objects
                      .filter(subscription=subscription, credits_used__lt=F("credits"))
@@ -420,8 +427,50 @@ def subscription_change(*, subscription: Subscription, plan: Plan,
                              "ends_at": old_ends},
                      after=audit_snapshot(new) | {"plan": plan.code,
                                                   "ended": subscription.public_id,
-                                                  "credit_packs_moved": moved})
+                                                  "credit_packs_moved": moved, **carried})
         return new
+
+
+def _scaled_up(credits: Decimal, new_cap: Decimal | None, old_cap: Decimal | None) -> Decimal:
+    """``credits`` of a cap of ``old_cap`` as the same share of ``new_cap``, rounded up to the
+    credits' 6 places (never in the customer's favour); unchanged when either cap is unset."""
+    if not new_cap or not old_cap:
+        return credits
+    with localcontext(Context(prec=60)):
+        return (credits * new_cap / old_cap).quantize(Decimal("0.000001"),
+                                                      rounding=ROUND_CEILING)
+
+
+def _carry_plan_credits(*, old: Subscription, new: Subscription, at: datetime
+                        ) -> dict[str, Any]:
+    """Start ``new`` (a token plan) where ``old`` (one too) stands at ``at``: the same share of
+    its period's credits used, and its rolling window's use, so that switching plans back and
+    forth (each change prorates only the fee) never hands out a fresh period or window.
+
+    Credits are each plan's own unit (its coefficients price tokens differently), so what was
+    used is carried as the share of the cap it took: 800 of Basic's 1,000 is 80 %, 4,000 of
+    Pro's 5,000, and back again 800. The window's ledger rows are copied to ``new`` (with
+    their event times, so they leave its window when they would have left the old one), each
+    scaled the same way by the window caps; they are marked ``carried:`` and bill nothing.
+    A late event of the old plan's time rated after the change counts on the old one only.
+    """
+    start, end = period_bounds(new.billing_anchor, at)  # the old plan's period: same anchor
+    period = TokenPlanPeriod.objects.filter(subscription=old, period_start=start).first()
+    used = Decimal(0) if period is None else _scaled_up(
+        period.plan_credits, new.plan.credits_per_period, old.plan.credits_per_period)
+    if used:
+        TokenPlanPeriod.objects.create(subscription=new, period_start=start, period_end=end,
+                                       plan_credits=used)
+    hours = max(old.plan.window_hours, new.plan.window_hours)
+    rows = list(TokenPlanUsage.objects.filter(
+        subscription=old, event_time__gt=at - timedelta(hours=hours), event_time__lte=at,
+        plan_credits__gt=0).order_by("event_time", "id"))
+    TokenPlanUsage.objects.bulk_create([TokenPlanUsage(
+        subscription=new, request_id=f"carried:{row.request_id}"[:200],
+        event_time=row.event_time, period_start=row.period_start,
+        plan_credits=_scaled_up(row.plan_credits, new.plan.window_credits,
+                                old.plan.window_credits)) for row in rows])
+    return {"period_credits_carried": used, "window_rows_carried": len(rows)}
 
 
 def credit_pack_purchase(*, subscription: Subscription, pack: CreditPack,

@@ -104,5 +104,6 @@ def test_buy_a_credit_pack_and_upgrade_in_chromium(plan_org, live_console, page)
     assert page.url == f"{base}/console/plan/"
     assert "You are now on Pro." in page.inner_text(".messages")
     assert "Pro" in page.inner_text("#subscription")
-    # the pack's 500 credits moved with the change: 5,000 a period, 1,500 a window, + 500
-    assert page.inner_text("#credits-left") == "2,000"
+    # Pro starts where Basic stood (250 of Basic's 300-credit window is 1,250 of Pro's 1,500:
+    # 250 left) and the pack's 500 credits moved with the change: 750
+    assert page.inner_text("#credits-left") == "750"

@@ -224,10 +224,11 @@ def test_the_preview_of_an_upgrade_is_the_prorated_fees_the_invoice_bills(book):
     october = Invoice.objects.get(organization=org, period_start=OCT)
     fees = [ln.amount for ln in october.lines.filter(kind=LineKind.PLAN_FEE).order_by("position")]
     assert fees == [D("3.23"), D("21.00")]
+    # the billing cycle stays (as Stripe keeps it): November is a calendar month of Pro
     november = upcoming_invoice(organization=org)
-    assert (november.target.period_start, november.target.period_end) == (NOV, at.replace(
-        month=11))
-    assert [ln.amount for ln in november.lines if ln.kind == LineKind.PLAN_FEE] == [D("10.00")]
+    assert (november.target.period_start, november.target.period_end) == (
+        NOV, datetime(2026, 12, 1, tzinfo=UTC))
+    assert [ln.amount for ln in november.lines if ln.kind == LineKind.PLAN_FEE] == [D("31.00")]
     (row,) = AuditEvent.objects.filter(action="subscription.change")
     assert row.before["plan"] == "basic" and row.after["plan"] == "pro"
     assert row.after["ended"] == sub.public_id and row.target == new.public_id
@@ -274,6 +275,39 @@ def test_a_change_moves_unused_pack_credits_and_refuses_what_it_cannot_do(book):
     assert row.after["credit_packs_moved"] == [bought.public_id]
 
 
+def test_switching_plans_back_and_forth_hands_out_no_fresh_credits(book):
+    """Basic: 1,000 a period, 300 a window; Pro: 5,000, 1,500. 250 + 100 credits used on Basic
+    (the second inside the window), then Basic -> Pro -> Basic: each plan starts where the
+    last one stood, as the same share of its caps (35 % of the period, 100 of 300 of the
+    window), so the round trip ends where it began and the next request is rated against it."""
+    basic, pro = _plans()
+    org = make_billed_org(name="Switch Co", created_at=OCT)
+    sub = services.subscription_create(organization=org, plan=basic, starts_at=OCT)
+    at = OCT + timedelta(days=10, hours=12)
+    # 100 in + 50 out = 250 credits, 6 h before; 40 in + 20 out = 100 credits, 1 h before
+    record(org, "a", at - timedelta(hours=6), model="test-model", prompt_tokens=100,
+           completion_tokens=50)
+    record(org, "b", at - timedelta(hours=1), model="test-model", prompt_tokens=40,
+           completion_tokens=20)
+
+    to_pro = services.subscription_change(subscription=sub, plan=pro, at=at, acting_user=None)
+    on_pro = token_plan_status(subscription=to_pro, at=at + timedelta(minutes=1))
+    assert (on_pro.period_used, on_pro.window_used) == (D("1750"), D("500"))  # x 5
+    back = services.subscription_change(subscription=to_pro, plan=basic,
+                                        at=at + timedelta(minutes=2), acting_user=None)
+    on_basic = token_plan_status(subscription=back, at=at + timedelta(minutes=3))
+    assert (on_basic.period_used, on_basic.window_used) == (D("350"), D("100"))
+    assert on_basic.plan_credits_left == D("200")  # the window's 300 less 100, as before
+
+    # the next request (300 in = 300 credits) gets the 200 left in the window; 100 is overage
+    record(org, "c", at + timedelta(minutes=4), model="test-model", prompt_tokens=300)
+    after = token_plan_status(subscription=back, at=at + timedelta(minutes=5))
+    assert (after.period_used, after.window_used, after.overage_credits) == (
+        D("550"), D("300"), D("100"))
+    rows = AuditEvent.objects.filter(action="subscription.change").order_by("id")
+    assert [r.after["period_credits_carried"] for r in rows] == ["1750.000000", "350.000000"]
+
+
 # --- the console flow: preview, confirm once, refused when the figures moved ----------------
 
 def _confirm(client, url: str, form: dict) -> tuple:
@@ -313,9 +347,9 @@ def test_upgrade_then_cancel_through_the_console(world, client):
     assert Subscription.objects.filter(organization=org).count() == 2
     assert AuditEvent.objects.filter(action="subscription.change",
                                      actor_user_id=owner.pk).count() == 1
-    # the page now shows Pro (5,000 credits; the old ledger stays with Basic)
+    # the page now shows Pro, where Basic stood: 390 of 1,000 used is 1,950 of 5,000
     page = client.get("/console/plan/").content.decode()
-    assert "Pro <code>pro</code>" in page and _text(page, "period-left") == "5,000"
+    assert "Pro <code>pro</code>" in page and _text(page, "period-left") == "3,050"
     assert "Downgrade…" in page and "Upgrade…" not in page  # Basic is the cheaper one
 
     # figures that differ from the invoice's are refused, and the change is previewed again
