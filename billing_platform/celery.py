@@ -58,6 +58,7 @@ app.conf.task_routes = {
     "finance.*": {"queue": Queues.BILLING.value},
     "batch.*": {"queue": Queues.BATCH.value},
     "fleet.*": {"queue": Queues.FLEET.value},
+    "gateway.*": {"queue": Queues.QUOTA.value},
 }
 
 
@@ -75,6 +76,8 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
                                           "accounts.flush_api_key_last_used"),
         "batch-sweep": _every(env.BATCH_SWEEP_S, "batch.sweep", expires=60.0),
         "budget-sweep": _every(env.BUDGET_SWEEP_S, "plans.budget_sweep"),
+        # stored Responses API answers past their retention (a dropped beat: the next one)
+        "responses-expire": _every(env.RESPONSES_EXPIRE_S, "gateway.responses_expire"),
         "fleet-health-check": _every(env.FLEET_HEALTH_S, "fleet.health_check", expires=30.0),
         "invoicing-period-close": _every(env.PERIOD_CLOSE_S, "invoicing.period_close"),
         "invoicing-dunning": _every(3600.0, "invoicing.dunning"),

@@ -180,6 +180,10 @@ PERIOD_CLOSE_S: float = env.float("TOLLGATE_PERIOD_CLOSE_S", default=900.0)
 GATEWAY_DEFAULT_MAX_TOKENS: int = env.int("TOLLGATE_DEFAULT_MAX_TOKENS", default=4096)
 GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FACTOR",
                                                    default=4.0)
+# Days a stored Responses API answer is kept (gateway/response_store.py), and how often the
+# beat deletes the expired ones.
+RESPONSES_RETENTION_DAYS: int = env.int("TOLLGATE_RESPONSES_RETENTION_DAYS", default=30)
+RESPONSES_EXPIRE_S: float = env.float("TOLLGATE_RESPONSES_EXPIRE_S", default=3600.0)
 # /v1 slow clients (gateway/bodies.py, gateway/asgi.py): a request body that sends nothing for
 # this long between two reads is answered 408, and a response that a client does not read for
 # this long (one send blocked) is cut: its engine request aborted, metered client_aborted.

@@ -275,6 +275,8 @@ BATCH_COMPLETION_WINDOWS = {"24h": 24 * 3600}
 # real bounds); priority is downgraded when every engine queues this many batches of requests.
 GATEWAY_DEFAULT_MAX_TOKENS = E.GATEWAY_DEFAULT_MAX_TOKENS
 GATEWAY_SATURATION_QUEUE_FACTOR = E.GATEWAY_SATURATION_QUEUE_FACTOR
+# Responses API: days a stored answer (store: true) is kept for previous_response_id and GET.
+RESPONSES_RETENTION_DAYS = E.RESPONSES_RETENTION_DAYS
 # Quotas: admission reservations of crashed requests expire after this; each process caches
 # limits and budgets this long, and while PostgreSQL is down serves them up to MAX_STALE_S old.
 QUOTA_RESERVATION_TTL_S = E.QUOTA_RESERVATION_TTL_S

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial, wraps
 from typing import Any
 
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -22,10 +23,16 @@ from billing_platform.errors import (
     InvalidRequest,
     Unauthenticated,
 )
-from billing_platform.gateway import pipeline, services
+from billing_platform.gateway import pipeline, response_store, services
 from billing_platform.gateway.anthropic import MessagesSurface, anthropic_error, parse_messages
 from billing_platform.gateway.bodies import GatewayRequest
+from billing_platform.gateway.db_connections import in_thread, unavailable
 from billing_platform.gateway.errors import MethodNotAllowed, openai_error
+from billing_platform.gateway.responses import (
+    ResponsesSurface,
+    inference_request,
+    parse_responses,
+)
 from billing_platform.gateway.validation import parse_chat, parse_completion
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
@@ -145,6 +152,52 @@ async def messages(request: GatewayRequest, principal: KeyPrincipal,
     return await _respond(request, await services.serve(principal=principal, req=req,
                                                         request_id=request_id,
                                                         surface=surface))
+
+
+@openai_endpoint()
+async def responses(request: GatewayRequest, principal: KeyPrincipal,
+                    request_id: str) -> HttpResponse:
+    """OpenAI's Responses API (``gateway/responses.py``): the conversation a
+    ``previous_response_id`` continues is rebuilt from the organization's stored responses."""
+    parsed = parse_responses(_json_body(request))
+    history: list[dict[str, str]] = []
+    previous_pk: int | None = None
+    if parsed.previous_response_id is not None:
+        try:
+            chain = await in_thread(response_store.stored_response_chain)(
+                org_id=principal.org_id, public_id=parsed.previous_response_id)
+        except DatabaseError as exc:
+            raise unavailable(exc) from exc
+        history, previous_pk = chain.messages, chain.head_pk
+    req = inference_request(parsed, history)
+    surface = ResponsesSurface(parsed, principal=principal, request_id=request_id,
+                               previous_pk=previous_pk)
+    served = await services.serve(principal=principal, req=req, request_id=request_id,
+                                  surface=surface)
+    if served.body is not None:  # a stream stores its answer as it ends
+        await surface.persist()
+    return await _respond(request, served)
+
+
+@openai_endpoint(methods=("GET", "DELETE"))
+async def response_detail(request: HttpRequest, principal: KeyPrincipal, request_id: str,
+                          response_id: str) -> HttpResponse:
+    """``GET`` (the Response as it was answered) or ``DELETE`` one of the organization's
+    stored responses; another organization's id is not found, like one that never was."""
+    try:
+        if request.method == "DELETE":
+            await in_thread(response_store.stored_response_delete)(
+                org_id=principal.org_id, public_id=response_id)
+            body = {"id": response_id, "object": "response", "deleted": True}
+        else:
+            stored = await in_thread(response_store.stored_response_get)(
+                org_id=principal.org_id, public_id=response_id)
+            body = stored.body
+    except DatabaseError as exc:
+        raise unavailable(exc) from exc
+    response = JsonResponse(body)
+    response["x-request-id"] = request_id
+    return response
 
 
 def _model_object(model: services.OfferedModel) -> dict[str, Any]:

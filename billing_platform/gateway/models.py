@@ -163,3 +163,42 @@ class BatchLine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.batch_id}:{self.line_no}"
+
+
+def _response_id() -> str:
+    return f"resp_{secrets.token_hex(16)}"
+
+
+class StoredResponse(models.Model):
+    """One answer of the Responses API kept for ``previous_response_id`` and
+    ``GET /v1/responses/{id}`` (``store`` true, the default), for the retention period.
+
+    ``input_items`` are the turns this response added (``[{"role", "content"}]``, text only;
+    ``instructions`` are not carried to the next response, as OpenAI does not carry them);
+    ``output_text`` what the model answered; together with ``previous``'s they rebuild a
+    conversation. ``body`` is the Response object as it was answered, ``usage`` its
+    ``usage`` (the engine's counts, equal to the usage event ``request_id``'s). A response
+    deleted or expired ends the chain of the ones that follow it (``previous`` becomes null).
+    """
+
+    public_id = models.CharField(max_length=40, unique=True, default=_response_id)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE,
+                                     related_name="stored_responses")
+    project = models.ForeignKey("accounts.Project", on_delete=models.SET_NULL, null=True,
+                                related_name="stored_responses")
+    previous = models.ForeignKey("self", on_delete=models.SET_NULL, null=True,
+                                 related_name="+")
+    request_id = models.CharField(max_length=64)
+    model = models.CharField(max_length=200)
+    input_items = models.JSONField(default=list)
+    output_text = models.TextField(blank=True)
+    usage = models.JSONField(default=dict)
+    body = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["expires_at"])]
+
+    def __str__(self) -> str:
+        return self.public_id

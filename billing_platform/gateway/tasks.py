@@ -1,4 +1,6 @@
-"""Celery tasks of the Batch API (queue ``batch``): thin wrappers around the batch services.
+"""Celery tasks of the gateway: the Batch API's (queue ``batch``), thin wrappers around the
+batch services, and the retention of stored Responses API answers (``gateway.*``, queue
+``quota``).
 
 Delivery (the Celery app's defaults, ``billing_platform.celery``): ``acks_late`` with
 ``reject_on_worker_lost`` so a killed worker's task comes back;
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from billing_platform.gateway import response_store
 from billing_platform.gateway.batch import runner
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchStatus
@@ -39,3 +42,9 @@ def batch_run(batch_id: int) -> str:
 def batch_sweep() -> dict[str, int]:
     """Expire, finish and restart batches (beat)."""
     return batch_services.batch_sweep()
+
+
+@shared_task(name="gateway.responses_expire")
+def responses_expire() -> int:
+    """Delete the stored responses past their retention (beat); safe to run twice."""
+    return response_store.stored_responses_expire()
