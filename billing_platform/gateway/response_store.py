@@ -79,6 +79,19 @@ def stored_response_chain(*, org_id: int, public_id: str) -> Chain:
     return Chain(head_pk=rows[-1][0], messages=messages)
 
 
+def _storable(value: Any) -> Any:
+    """Return ``value`` with every NUL character as U+FFFD: PostgreSQL's text and jsonb hold
+    any Unicode but NUL, and a prompt with one is still served (only its stored copy
+    differs, by that character)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    if isinstance(value, dict):
+        return {_storable(k): _storable(v) for k, v in value.items()}
+    return value
+
+
 def stored_response_create(*, org_id: int, project_id: int | None, public_id: str,
                            request_id: str, previous_pk: int | None, model: str,
                            input_items: list[dict[str, str]], output_text: str,
@@ -88,7 +101,8 @@ def stored_response_create(*, org_id: int, project_id: int | None, public_id: st
     return StoredResponse.objects.create(
         public_id=public_id, organization_id=org_id, project_id=project_id,
         previous_id=previous_pk, request_id=request_id, model=model,
-        input_items=input_items, output_text=output_text, usage=usage, body=body,
+        input_items=_storable(input_items), output_text=_storable(output_text), usage=usage,
+        body=_storable(body),
         created_at=created_at,
         expires_at=created_at + timedelta(days=settings.RESPONSES_RETENTION_DAYS))
 

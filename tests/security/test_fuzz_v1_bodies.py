@@ -251,6 +251,49 @@ def test_anthropic_messages_bodies_never_get_a_5xx(v1, body):
     assert_survives_anthropic(v1.post("/v1/messages", body))
 
 
+# OpenAI's Responses API: a string or message items, and its own fields
+RESPONSE_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "input_text", "output_text", "input_image"]),
+     "text": TEXT | LONG_TEXT})
+RESPONSE_ITEM = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+     "content": TEXT | LONG_TEXT | st.lists(RESPONSE_PART, min_size=1, max_size=3)},
+    optional={"type": st.sampled_from(["message", "message", "function_call"])})
+RESPONSES_FIELDS = {
+    "instructions": TEXT | LONG_TEXT, "max_output_tokens": st.integers(1, 48),
+    "temperature": st.floats(0, 2) | NUMBERS, "top_p": st.floats(0, 1) | NUMBERS,
+    "service_tier": st.sampled_from(["auto", "default", "priority", "flex", "scale"]),
+    "metadata": st.dictionaries(TEXT, TEXT, max_size=17), "store": st.booleans(),
+    "stream": st.booleans(), "user": TEXT,
+    "previous_response_id": st.just("resp_" + "0" * 32) | TEXT,
+    "tools": st.just([]) | JSON, "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "text": st.just({"format": {"type": "text"}}) | JSON,
+    "truncation": st.sampled_from(["disabled", "auto"]), "include": st.just([]) | JSON,
+    "reasoning": JSON,
+}
+RESPONSES = hostile({"model": st.just(MODEL),
+                     "input": TEXT | LONG_TEXT | st.lists(RESPONSE_ITEM, min_size=1,
+                                                         max_size=3)},
+                    RESPONSES_FIELDS)
+
+
+@settings(FUZZ, max_examples=150)
+@given(body=bodies(RESPONSES))
+@example(body=b'{"model": "small", "input": "a\\u0000b", "instructions": "\\u0000"}')
+def test_responses_bodies_never_get_a_5xx(v1, body):
+    response = v1.post("/v1/responses", body)
+    assert_survives(response)
+    if response.status_code == 200:
+        text = response.text
+        if text.startswith("event:"):  # a stream: its first event carries the Response
+            text = text.split("data: ", 1)[1].split("\n", 1)[0]
+        created = json.loads(text)
+        created = created.get("response", created)
+        # a stored answer is retrievable, whatever its text held (NUL included)
+        got = v1.http.get(f"{v1.url}/v1/responses/{created['id']}")
+        assert got.status_code == (200 if created["store"] else 404), got.text[:500]
+
+
 BATCH_LINE = hostile({"custom_id": TEXT, "method": st.just("POST"),
                       "url": st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
                       "body": CHAT}, {})
@@ -290,7 +333,7 @@ def test_batch_and_file_bodies_never_get_a_5xx(v1, data):
 # --- what the fuzz is after, named (one gateway each: a live gateway costs seconds to start) ---
 
 def test_deeply_nested_json_is_a_400_in_openais_shape(v1):
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/batches"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/batches"):
         # 65: one past the bound; 900: within Python's parser's stack; 100,000: past it
         for depth in (65, 900, 100_000):
             # given a body nested deeper than the gateway accepts
