@@ -16,7 +16,7 @@ from typing import Any
 
 from django import forms
 
-from billing_platform.idempotency.services import MAX_KEY
+from billing_platform.console.once import OnceForm
 from billing_platform.invoicing.choices import CreditOutcome
 from plans.choices import CreditGrantKind
 
@@ -30,26 +30,17 @@ def _new_key() -> str:
     return uuid.uuid4().hex
 
 
-class OperationForm(forms.Form):
+class OperationForm(OnceForm):
     """What every operation asks: why (audited), and the key that makes it happen once."""
 
     reason = forms.CharField(max_length=500, widget=forms.TextInput(
         attrs={"placeholder": "why (kept in the audit log)"}))
-    idempotency_key = forms.CharField(max_length=MAX_KEY, widget=forms.HiddenInput)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("initial", {}).setdefault("idempotency_key", _new_key())
-        super().__init__(*args, **kwargs)
 
     def clean_reason(self) -> str:
         reason = str(self.cleaned_data["reason"]).strip()
         if not reason:
             raise forms.ValidationError("Say why: the reason is kept in the audit log.")
         return reason
-
-    def audited(self) -> dict[str, Any]:
-        """Return what was asked, without the key (the idempotency fingerprint)."""
-        return {k: v for k, v in self.cleaned_data.items() if k != "idempotency_key"}
 
 
 def _amount_field(**kwargs: Any) -> forms.DecimalField:

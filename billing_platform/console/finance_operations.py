@@ -14,8 +14,6 @@ shown again with what was sent (400); nothing is half-written.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, cast
@@ -28,9 +26,9 @@ from django.views.decorators.http import require_POST
 
 from billing_platform.accounts.models import Organization, User
 from billing_platform.console import finance_forms as ff
+from billing_platform.console import once
 from billing_platform.console.finance_views import finance_context, finance_page
 from billing_platform.errors import DomainError, InvalidRequest
-from billing_platform.idempotency.services import idempotent_call
 from billing_platform.invoicing import finance_reads
 from billing_platform.invoicing import services as invoicing
 from billing_platform.invoicing.choices import InvoiceKind, InvoiceStatus
@@ -44,25 +42,9 @@ STATUSES = [s.value for s in InvoiceStatus if s != InvoiceStatus.DRAFT]
 
 def run_once(request: HttpRequest, form: ff.OperationForm, *, operation: str, target: str,
              call: Callable[[], str]) -> bool:
-    """Run ``call`` (which returns the success message) once per form key; True when done.
-
-    A domain error becomes the form's message (on the field it names, when the form has it).
-    """
-    fingerprint = hashlib.sha256(json.dumps(
-        [operation, target, form.audited()], sort_keys=True, default=str).encode()).hexdigest()
-    try:
-        result, replayed = idempotent_call(
-            caller=f"user:{request.user.pk}", key=form.cleaned_data["idempotency_key"],
-            fingerprint=fingerprint, call=lambda: {"message": call()})
-    except DomainError as exc:
-        form.add_error(exc.param if exc.param in form.fields else None, exc.message)
-        return False
-    if replayed:
-        messages.info(request, f"This form was already sent: {result['message']} "
-                               "(nothing was done again).")
-    else:
-        messages.success(request, result["message"])
-    return True
+    """``once.run_once`` for an operation on ``target``, fingerprinted with the form's fields."""
+    return once.run_once(request, form, operation=[operation, target, form.audited()],
+                         call=call)
 
 
 def _money(amount: Decimal, currency: str) -> str:

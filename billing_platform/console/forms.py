@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -10,6 +9,7 @@ from django import forms
 from django.contrib.auth.password_validation import validate_password
 
 from billing_platform.accounts.choices import Role, Scope
+from billing_platform.console.once import OnceForm
 
 
 class SignUpForm(forms.Form):
@@ -61,24 +61,7 @@ class RoleForm(forms.Form):
 
 # --- plan & credits (plan_views) ---------------------------------------------------------------
 
-class _OnceForm(forms.Form):
-    """A money-moving form: a hidden key, new each time it is rendered, makes it happen once
-    (``idempotency.idempotent_call``): a double click or a re-posting reload does nothing more."""
-
-    idempotency_key = forms.CharField(max_length=255, widget=forms.HiddenInput)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("initial", {}).setdefault("idempotency_key", uuid.uuid4().hex)
-        super().__init__(*args, **kwargs)
-
-    def clean(self) -> dict[str, Any] | None:
-        if "idempotency_key" in self.errors:  # a hidden field: say it where it is seen
-            self.add_error(None, "This form is out of date or damaged; reload the page and "
-                                 "send it again.")
-        return super().clean()
-
-
-class CreditPackBuyForm(_OnceForm):
+class CreditPackBuyForm(OnceForm):
     pack = forms.ChoiceField(label="Credit pack", help_text="Its price is added to your next "
                              "invoice; its credits are used after your plan's own.")
 
@@ -88,7 +71,7 @@ class CreditPackBuyForm(_OnceForm):
         cast(forms.ChoiceField, self.fields["pack"]).choices = list(packs)
 
 
-class PlanChangeForm(_OnceForm):
+class PlanChangeForm(OnceForm):
     """Confirm a previewed change: ``expected`` is the previewed plan fees; if time moved them
     (proration is by the second), the change is refused and previewed again."""
 
@@ -101,5 +84,5 @@ class PlanChangeForm(_OnceForm):
         cast(forms.ChoiceField, self.fields["plan"]).choices = list(plans)
 
 
-class PlanCancelForm(_OnceForm):
+class PlanCancelForm(OnceForm):
     expected = forms.CharField(max_length=200, required=False, widget=forms.HiddenInput)

@@ -17,8 +17,6 @@ per form key (``idempotency.idempotent_call``); a refusal is a form message, not
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,11 +34,11 @@ from django.views.decorators.http import require_POST
 from billing_platform.accounts.models import Organization, User
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console import forms
+from billing_platform.console.once import OnceForm, run_once
 from billing_platform.console.templatetags.credits import credits as credits_text
 from billing_platform.console.templatetags.money import money
 from billing_platform.console.views import org_page
 from billing_platform.errors import Conflict, DomainError
-from billing_platform.idempotency.services import idempotent_call
 from billing_platform.invoicing.advice import last_closed_period, plan_advice_for
 from billing_platform.invoicing.builder import DraftInvoice, DraftLine
 from billing_platform.invoicing.choices import LineKind
@@ -135,25 +133,6 @@ def _change_confirmed(*, organization: Organization, change: Change, expected: s
             raise Conflict("The prorated fees changed since your preview (time passed); "
                            "check the new figures and confirm again.", param="expected")
     return result
-
-
-def _run_once(request: HttpRequest, form: forms._OnceForm, *, operation: list[str],
-              call: Callable[[], str]) -> bool:
-    """Run ``call`` (it returns the success message) once per form key; True when done."""
-    fingerprint = hashlib.sha256(json.dumps(operation).encode()).hexdigest()
-    try:
-        result, replayed = idempotent_call(
-            caller=f"user:{request.user.pk}", key=form.cleaned_data["idempotency_key"],
-            fingerprint=fingerprint, call=lambda: {"message": call()})
-    except DomainError as exc:
-        form.add_error(exc.param if exc.param in form.fields else None, exc.message)
-        return False
-    if replayed:
-        messages.info(request, f"This form was already sent: {result['message']} "
-                               "(nothing was done again).")
-    else:
-        messages.success(request, result["message"])
-    return True
 
 
 # --- the page ----------------------------------------------------------------------------------
@@ -260,14 +239,14 @@ def pack_buy(request: HttpRequest, access: OrgAccess, sub_id: str) -> HttpRespon
             return (f"Bought {pack.name}: {credits_text(purchase.credits)} credits; "
                     f"{money(purchase.price, purchase.currency)} on your next invoice.")
 
-        if _run_once(request, form, operation=["credit_pack.purchase", access.organization
+        if run_once(request, form, operation=["credit_pack.purchase", access.organization
                                                .public_id, sub.public_id, pack.code], call=buy):
             return redirect("console:plan")
     return _plan_page(request, access, pack_form=form, status=400)
 
 
 def _change_page(request: HttpRequest, access: OrgAccess, *, sub: Subscription | None,
-                 target: Plan | None, form: forms._OnceForm, refused: list[str] | None = None,
+                 target: Plan | None, form: OnceForm, refused: list[str] | None = None,
                  status: int = 200) -> HttpResponse:
     """Preview the change (again) and show its confirm form; a refusal is the page's message
     (and no confirm button)."""
@@ -321,7 +300,7 @@ def _change(request: HttpRequest, org: Organization, sub: Subscription | None,
 
 
 def _confirm(request: HttpRequest, access: OrgAccess, *, sub: Subscription | None,
-             target: Plan | None, form: forms._OnceForm) -> HttpResponse:
+             target: Plan | None, form: OnceForm) -> HttpResponse:
     org = access.organization
     change = _change(request, org, sub, target)
     done = f"You are now on {target.name}." if target else "Your plan is cancelled."
@@ -333,7 +312,7 @@ def _confirm(request: HttpRequest, access: OrgAccess, *, sub: Subscription | Non
 
     operation = ["subscription.change", org.public_id, sub.public_id if sub else "",
                  target.code if target else ""]
-    if _run_once(request, form, operation=operation, call=confirm):
+    if run_once(request, form, operation=operation, call=confirm):
         return redirect("console:plan")
     refused = [str(e) for field in ("__all__", "expected") for e in form.errors.get(field, [])]
     return _change_page(request, access, sub=sub, target=target, form=type(form)(
