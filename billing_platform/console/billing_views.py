@@ -43,9 +43,10 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing_platform.accounts.selectors import OrgAccess
+from billing_platform.console.once import OnceForm
 from billing_platform.console.views import org_page
 from billing_platform.errors import InvalidRequest
-from billing_platform.idempotency.services import MAX_KEY, idempotent_call
+from billing_platform.idempotency.services import idempotent_call
 from billing_platform.invoicing import payment_methods
 from billing_platform.invoicing.choices import InvoiceStatus
 from billing_platform.invoicing.selectors import invoices_of
@@ -62,10 +63,8 @@ STRIPE_CSP = {"script-src": ["https://js.stripe.com"],
               "connect-src": ["'self'", "https://api.stripe.com"]}
 
 
-class KeyForm(forms.Form):
+class KeyForm(OnceForm):
     """A form that does its work once: the hidden one-time key (idempotency)."""
-
-    idempotency_key = forms.CharField(max_length=MAX_KEY, widget=forms.HiddenInput)
 
 
 class CompleteForm(KeyForm):
@@ -182,8 +181,8 @@ def card_setup_complete(request: HttpRequest, access: OrgAccess) -> HttpResponse
     form = CompleteForm(request.POST)
     if not form.is_valid():
         messages.error(request, "The card was not saved: " + "; ".join(
-            f"{form.fields[name].label or name}: {' '.join(str(e) for e in errors)}"
-            for name, errors in form.errors.items()))
+            (f"{form.fields[name].label or name}: " if name in form.fields else "")
+            + " ".join(str(e) for e in errors) for name, errors in form.errors.items()))
         return redirect("console:billing")
     org, seti = access.organization, form.cleaned_data["setup_intent"]
 
