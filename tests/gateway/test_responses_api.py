@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from decimal import Decimal
 
 import httpx
 import openai
 import pytest
+from django.db.models import Sum
 from django.utils import timezone
 
+from billing_platform.gateway import response_store
 from billing_platform.gateway.models import StoredResponse
+from billing_platform.gateway.responses import inference_request, parse_responses
 from billing_platform.gateway.tasks import responses_expire
 from metering.models import UsageEvent
+from plans import admission, quotas
+from tests.conftest import wait_until
+from tests.gateway.conftest import drain_usage
 from tests.gateway.test_openai_api import LONG, _event, _key
 
 
@@ -210,3 +219,51 @@ def test_bad_input_is_refused_in_openais_shape_with_its_param(live_gateway):
         client.responses.create(model="small", input="x",
                                 previous_response_id="resp_" + "0" * 32)
     assert not UsageEvent.objects.exists()  # nothing reached an engine, nothing was metered
+
+
+def test_200_concurrent_continued_responses_never_exceed_a_hard_budget(live_gateway):
+    # given a hard budget, and a stored response whose conversation every request continues
+    # (so each prompt is the rebuilt conversation, which admission must bound in full)
+    key, secret = _key()
+    org, project = key.project.organization, key.project
+    budget = Decimal("0.003")
+    quotas.budget_set(organization=org, amount=budget, hard=True)
+    client = _client(live_gateway, secret)
+    first = client.responses.create(model="small", input="hello there " * 20,
+                                    max_output_tokens=8)
+    body = {"model": "small", "input": "and then?", "previous_response_id": first.id,
+            "max_output_tokens": 20}
+    chain = response_store.stored_response_chain(org_id=org.id, public_id=first.id)
+    req = inference_request(parse_responses(body), chain.messages)
+    assert req.prompt_bound > first.usage.input_tokens + first.usage.output_tokens
+    policy = admission.quota_policy_load(organization_id=org.id, project_id=project.id,
+                                         key_id=key.id, model="small")
+    worst = admission.from_micro(admission.worst_case_micro(
+        policy.pricing, tier="default", zone=org.data_zone, max_output=20,
+        prompt_tokens=req.prompt_bound))
+
+    def post(_i=None) -> httpx.Response:
+        return httpx.post(f"{live_gateway.url}/v1/responses", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {secret}"})
+
+    # when 200 arrive at once, then more one by one until one is refused
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(post, range(200)))
+    for _ in range(100):
+        answers.append(last := post())
+        if last.status_code == 429:
+            break
+
+    # then every refusal is the spend limit, and the rated spend (the first response's
+    # included) is at most the budget and within one worst case of it
+    codes = Counter(r.status_code for r in answers)
+    assert {200, 429} <= set(codes) <= {200, 429, 502} and codes[502] <= 5, codes
+    assert {r.json()["error"]["code"] for r in answers if r.status_code == 429} == {
+        "organization_spend_limit_exceeded"}
+    assert last.status_code == 429
+    ids = [r.headers["x-request-id"] for r in answers if r.status_code == 200]
+    wait_until(lambda: (drain_usage(), UsageEvent.objects.filter(request_id__in=ids).count()
+                        == len(ids))[1], timeout=30, what="all events ingested")
+    spend = UsageEvent.objects.filter(organization=org).aggregate(s=Sum("amount"))["s"]
+    assert budget - worst < spend <= budget, (spend, budget, worst, len(ids))
+    assert StoredResponse.objects.filter(organization=org).count() == len(ids) + 1
