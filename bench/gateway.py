@@ -3,10 +3,12 @@ Tollgate gateway (auth, admission hook and metering on), and through the LiteLLM
 run on one machine.
 
 Prints one JSON line: added TTFT and total latency (p50, p99) of the gateway over direct at
-concurrency 1 (streaming and non-streaming), and throughput at saturation as ratios
-gateway/direct and gateway/LiteLLM. Latency requests alternate between direct and the gateway
-so that drift in the machine's load falls on both alike; LiteLLM is stopped (SIGSTOP) while
-anything else is measured. The gateway runs with DEBUG off, as in production.
+concurrency 1 (streaming and non-streaming), the same for the Responses API (``/v1/responses``,
+storing each answer as by default) with its added TTFT as a ratio of chat's, and throughput
+at saturation as ratios gateway/direct and gateway/LiteLLM. Latency requests alternate between
+direct, the gateway's chat and its Responses API so that drift in the machine's load falls on
+all alike; LiteLLM is stopped (SIGSTOP) while anything else is measured. The gateway runs with
+DEBUG off, as in production.
 
     .venv/bin/python bench/gateway.py [--requests 300] [--concurrency 64]
 
@@ -55,15 +57,22 @@ def pct(values: list[float], q: float) -> float:
 
 async def one(http: httpx.AsyncClient, url: str, headers: dict, *, stream: bool,
               n: int) -> tuple[float, float]:
-    body = {"model": "bench", "messages": [{"role": "user", "content": f"Request {n}: hello"}],
-            "max_tokens": 16, "stream": stream}
+    text = f"Request {n}: hello"
+    if url.endswith("/v1/responses"):  # the same request in the Responses API's words
+        body: dict = {"model": "bench", "input": text, "max_output_tokens": 16,
+                      "stream": stream}
+        first_token = '"response.output_text.delta"'  # noqa: S105
+    else:
+        body = {"model": "bench", "messages": [{"role": "user", "content": text}],
+                "max_tokens": 16, "stream": stream}
+        first_token = '"content"'  # noqa: S105
     t0 = time.perf_counter()
     ttft = None
     if stream:
         async with http.stream("POST", url, json=body, headers=headers) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {") and '"content"' in line:
+                if ttft is None and line.startswith("data: {") and first_token in line:
                     ttft = time.perf_counter() - t0
     else:
         r = await http.post(url, json=body, headers=headers)
@@ -223,14 +232,15 @@ def main() -> None:
                 time.sleep(0.2)
         auth = {"Authorization": f"Bearer {secret}"}
         targets = {"direct": (f"{sim.base_url}/v1/chat/completions", {}),
-                   "gateway": (f"{gw}/v1/chat/completions", auth)}
+                   "gateway": (f"{gw}/v1/chat/completions", auth),
+                   "responses": (f"{gw}/v1/responses", auth)}
         if litellm_url:
             targets["litellm"] = (f"{litellm_url}/v1/chat/completions",
                                   {"Authorization": f"Bearer {LITELLM_KEY}"})
         lat = {}
         # direct and gateway interleaved (LiteLLM stopped: its work after a request must not
         # spill into theirs), then LiteLLM on its own
-        groups = [({k: targets[k] for k in ("direct", "gateway")}, litellm)]
+        groups = [({k: targets[k] for k in ("direct", "gateway", "responses")}, litellm)]
         if "litellm" in targets:
             groups.append(({"litellm": targets["litellm"]}, None))
         for group, stopped in groups:
@@ -243,6 +253,8 @@ def main() -> None:
                         log(f"{name}_{kind}: {stats}")
         rps = {}
         for name, (url, headers) in targets.items():
+            if name == "responses":
+                continue  # a latency column only: its throughput is the gateway's
             # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
             with paused(litellm if name != "litellm" else None):
                 rps[name] = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
@@ -254,8 +266,10 @@ def main() -> None:
                 proc.terminate()
         sim.stop()
 
-    def added(metric: str, kind: str) -> float:
-        return round(lat[f"gateway_{kind}"][metric] - lat[f"direct_{kind}"][metric], 3)
+    def added(metric: str, kind: str, via: str = "gateway") -> float:
+        return round(lat[f"{via}_{kind}"][metric] - lat[f"direct_{kind}"][metric], 3)
+
+    responses_ttft = added("ttft_p50", "stream", "responses")
 
     print(json.dumps({
         "requests": args.requests, "concurrency": args.concurrency,
@@ -263,6 +277,12 @@ def main() -> None:
         "added_ttft_p99_ms": added("ttft_p99", "stream"),
         "added_total_p50_ms": added("total_p50", "json"),
         "added_total_p99_ms": added("total_p99", "json"),
+        # /v1/responses through the same gateway, interleaved with the chat requests above
+        "responses_added_ttft_p50_ms": responses_ttft,
+        "responses_added_ttft_p99_ms": added("ttft_p99", "stream", "responses"),
+        "responses_added_total_p50_ms": added("total_p50", "json", "responses"),
+        "responses_vs_chat_added_ttft_p50": (round(responses_ttft / added("ttft_p50", "stream"),
+                                                   3) if added("ttft_p50", "stream") else None),
         "throughput_ratio_vs_direct": round(rps["gateway"] / rps["direct"], 3),
         "throughput_ratio_vs_litellm": (round(rps["gateway"] / rps["litellm"], 3)
                                         if "litellm" in rps else None),
