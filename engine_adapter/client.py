@@ -268,7 +268,8 @@ class EngineCall:
         self._take_usage(chunk.get("usage"))
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            if self._first_token_at is None and (delta.get("content") or choice.get("text")):
+            if self._first_token_at is None and (delta.get("content") or choice.get("text")
+                                                 or delta.get("reasoning_content")):
                 self._first_token_at = time.monotonic()
             if choice.get("finish_reason"):
                 self._res.finish_reason = choice["finish_reason"]
@@ -284,6 +285,12 @@ class EngineCall:
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             result.cached_tokens = int(details["cached_tokens"])
+        # SGLang reports its reasoning parser's count at the top level (``reasoning_tokens``)
+        # and, when there are some, where OpenAI puts it too.
+        reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+        if reasoning is None:
+            reasoning = usage.get("reasoning_tokens")
+        result.reasoning_tokens = min(int(reasoning or 0), result.completion_tokens)
 
     async def _drain(self) -> None:
         """Read the end of a finished stream (after ``[DONE]``) so its connection is reused.

@@ -105,7 +105,8 @@ class CallResult:
     engine: EngineInfo
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # all choices', reasoning included
+    reasoning_tokens: int = 0  # of completion_tokens, what the reasoning parser counted
     finish_reason: str | None = None
     status: str = "ok"  # ok | client_aborted | engine_error
     error: str | None = None

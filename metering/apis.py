@@ -38,7 +38,14 @@ from metering import conf, events, services
 from metering import serializers as s
 from metering.choices import EventSource
 from metering.recording import TRANSIENT, close_broken_connection
-from metering.selectors import GROUPS, SUMS, UsageBucket, UsageFilter, usage_summary
+from metering.selectors import (
+    EVENT_GROUPS,
+    GROUPS,
+    SUMS,
+    UsageBucket,
+    UsageFilter,
+    usage_summary,
+)
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,13 @@ def _refuse_unbounded(start: datetime, end: datetime, group_by: tuple[str, ...])
             f"The range from start to end is {span.total_seconds() / 86400:g} days; one request "
             f"may sum at most {max_days} days. Split the range into several requests.",
             param="end", code="usage_range_too_large")
+    by_events = [g for g in group_by if g in EVENT_GROUPS]
+    max_event_days = conf.usage_api_max_event_range_days()
+    if by_events and span > timedelta(days=max_event_days):
+        raise InvalidRequest(
+            f"Grouping by {by_events[0]} sums the recorded events themselves; one request may "
+            f"sum at most {max_event_days} days of them. Split the range into several "
+            "requests.", param="end", code="usage_range_too_large")
     max_groups = conf.usage_api_max_groups()
     for unit, size in (("hour", timedelta(hours=1)), ("day", timedelta(days=1))):
         buckets = -(-span // size)  # a partial day is a bucket of its own

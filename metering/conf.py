@@ -94,6 +94,13 @@ def usage_api_max_range_days() -> int:
                         int))
 
 
+def usage_api_max_event_range_days() -> int:
+    """Return the longest range ``GET /api/v1/usage`` sums from the events themselves (days):
+    a grouping the hourly rollups do not keep (``user``) reads every event of the range."""
+    return int(_setting("METERING_USAGE_MAX_EVENT_RANGE_DAYS",
+                        "TOLLGATE_USAGE_MAX_EVENT_RANGE_DAYS", 31, int))
+
+
 def usage_api_max_groups() -> int:
     """Return the most groups (rows of ``data``) ``GET /api/v1/usage`` answers in one request."""
     return int(_setting("METERING_USAGE_MAX_GROUPS", "TOLLGATE_USAGE_MAX_GROUPS", 10_000, int))

@@ -33,6 +33,7 @@ MAX_ID = 128  # an id as its issuer wrote it (a platform request id, a caller's 
 EXTERNAL_PREFIX = "ext:"
 MAX_KEY = MAX_ID + len(EXTERNAL_PREFIX)  # a stored request id
 PLATFORM_ID = re.compile(r"req_[0-9a-f]{32}")
+MAX_USER = 256  # a client's end-user id (OpenAI's ``user``), as the client wrote it
 MAX_TOKENS = 2**53  # far beyond any context window; keeps sums inside bigint
 MAX_MS = 2**31 - 1
 # Events are accepted back to this far in the past (batch imports, late spool replays) and
@@ -66,6 +67,7 @@ class UsageEventData:
     cost_to_serve: Decimal = Decimal("0")
     batch_id: str | None = None
     source: str = EventSource.GATEWAY
+    end_user: str | None = None  # the request's ``user``; None when it named none
 
     @property
     def key(self) -> tuple[int, str]:
@@ -184,6 +186,7 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
                              param="cost_to_serve")
     api_key_id = get("api_key_id")
     batch_id = get("batch_id")
+    end_user = get("end_user")
     external = origin == EventSource.EXTERNAL
     request_id = _text(get("request_id"), "request_id",
                        max_length=MAX_KEY if external else MAX_ID)
@@ -217,20 +220,26 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
         event_time=_time(get("event_time"), datetime.now(UTC) if check_age else None),
         batch_id=None if batch_id is None else _text(batch_id, "batch_id", max_length=MAX_ID),
         source=origin,
+        end_user=None if end_user in (None, "") else _text(end_user, "end_user",
+                                                           max_length=MAX_USER),
     )
 
 
 # The wire form is a JSON array, version first, then the columns in ``ROW_FIELDS`` order:
 # positional, so the consumer parses about a third of the bytes of an object and hands the
 # values to COPY as they are (timestamps and decimals stay strings; PostgreSQL parses them).
+# ``end_user`` came last, after the rest: entries written before it (still on the stream or
+# in a spool file, one value shorter) are read as having none; the version stays 1, so
+# readers that match on the frame's prefix (dead letters by organization) see both alike.
 WIRE_VERSION = 1
 ROW_FIELDS = (
     "org_id", "request_id", "project_id", "api_key_id", "model", "region", "data_zone",
     "engine", "service_tier", "capacity_source", "prompt_tokens", "cached_tokens",
     "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "status", "cost_to_serve",
-    "event_time", "batch_id", "source",
+    "event_time", "batch_id", "source", "end_user",
 )
 ROW_LEN = len(ROW_FIELDS)
+I_END_USER = ROW_FIELDS.index("end_user")
 I_ORG, I_REQUEST, I_ZONE, I_COST, I_TIME = (ROW_FIELDS.index(n) for n in (
     "org_id", "request_id", "data_zone", "cost_to_serve", "event_time"))
 
@@ -268,6 +277,8 @@ def decode_row(raw: bytes | str) -> Row:
         values = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(f"Unreadable usage event: {exc}") from None
+    if type(values) is list and len(values) == ROW_LEN:
+        values.append(None)  # written before end_user: none
     if type(values) is not list or len(values) != ROW_LEN + 1 or values[0] != WIRE_VERSION:
         raise InvalidRequest("Not a version-1 usage event.")
     row = tuple(values[1:])

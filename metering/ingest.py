@@ -127,7 +127,10 @@ def _collect_between_batches() -> Iterator[None]:
 
 
 def _framed(value: object) -> bool:
-    """Return whether a decoded entry looks like a version-1 usage event row."""
+    """Return whether a decoded entry looks like a version-1 usage event row (one written
+    before ``end_user`` gets None for it, as ``events.decode_row`` does)."""
+    if type(value) is list and len(value) == events.ROW_LEN:
+        value.append(None)
     return (type(value) is list and len(value) == events.ROW_LEN + 1
             and value[0] == events.WIRE_VERSION and type(value[1 + events.I_ORG]) is int
             and type(value[1 + events.I_REQUEST]) is str

@@ -95,6 +95,8 @@ class UsageEvent(models.Model):
     source = models.CharField(
         max_length=16, choices=EventSource.choices, default=EventSource.GATEWAY
     )
+    # NULL, not "": the client's end user (OpenAI's ``user``), and most requests name none
+    end_user = models.CharField(max_length=256, null=True, blank=True)  # noqa: DJ001
     # rating, filled by plans.rating inside the ingest transaction
     amount = _amount(default=Decimal("0"))
     currency = models.CharField(max_length=3)

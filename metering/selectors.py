@@ -147,11 +147,12 @@ def _event_summary(f: UsageFilter, group_by: tuple[str, ...], limit: int | None
     """
     qs = UsageEvent.objects.filter(organization_id=f.org_id, event_time__gte=f.start,
                                    event_time__lt=f.end)
-    for column, values in (("project_id", f.project_ids), ("api_key_id", f.api_key_ids),
-                           ("model", f.models), ("service_tier", f.service_tiers),
-                           ("region", f.regions)):
-        if values:
-            qs = qs.filter(**{f"{column}__in": values})
+    filters: tuple[tuple[str, tuple[object, ...]], ...] = (
+        ("project_id", f.project_ids), ("api_key_id", f.api_key_ids), ("model", f.models),
+        ("service_tier", f.service_tiers), ("region", f.regions))
+    for column, wanted in filters:
+        if wanted:
+            qs = qs.filter(**{f"{column}__in": wanted})
     names = {g: GROUPS[g] for g in group_by}
     if "day" in names:
         qs = qs.annotate(day=TruncDay("event_time", tzinfo=UTC))

@@ -105,7 +105,8 @@ class UsageQuerySerializer(serializers.Serializer):
     service_tier = serializers.CharField(required=False, help_text="Comma-separated tiers.")
     region = serializers.CharField(required=False, help_text="Comma-separated regions.")
     group_by = serializers.CharField(required=False, help_text="Comma-separated: day, hour, "
-                                     "model, project, key, service_tier, capacity_source, region.")
+                                     "model, project, key, service_tier, capacity_source, region, "
+                                     "user (the requests' `user`; at most 31 days).")
 
 
 class UsageBucketSerializer(serializers.Serializer):
@@ -117,6 +118,8 @@ class UsageBucketSerializer(serializers.Serializer):
     service_tier = serializers.CharField(required=False)
     capacity_source = serializers.CharField(required=False)
     region = serializers.CharField(required=False)
+    user = serializers.CharField(required=False, allow_null=True,
+                                 help_text="The requests' `user`; null: none named.")
     currency = serializers.CharField()
     requests = serializers.IntegerField()
     error_requests = serializers.IntegerField()

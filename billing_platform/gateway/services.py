@@ -121,12 +121,14 @@ async def rate_headers_now(principal: KeyPrincipal) -> dict[str, str]:
 
 
 def openai_usage(result: CallResult) -> dict[str, Any]:
+    """Return OpenAI's usage object from the engine's counts: the prompt once, the choices'
+    completions summed (reasoning included, and its share as the engine counted it)."""
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
     }
 
 
@@ -190,7 +192,7 @@ class Surface:
 
 def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
                 engine: EngineInfo | None, result: CallResult | None, started: datetime,
-                capacity: str = "on_demand") -> dict[str, Any]:
+                capacity: str = "on_demand", user: str | None = None) -> dict[str, Any]:
     """Build the usage event of one request from the ENGINE's counts.
 
     ``result`` None means the engine failed before any output: an unbilled ``engine_error``.
@@ -215,6 +217,7 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
         "total_ms": round(result.total_ms) if result else None,
         "status": result.status if result else "engine_error",
         "event_time": started.isoformat(),
+        "end_user": user,
     }
 
 
@@ -236,6 +239,7 @@ class _Accounting:
     started: datetime
     capacity: str
     ticket: quota.Ticket | None
+    user: str | None = None
     _closing: asyncio.Future[None] | None = None
 
     def finish(self, call: EngineCall) -> asyncio.Future[None]:
@@ -249,7 +253,7 @@ class _Accounting:
     def _event(self, engine: EngineInfo | None, result: CallResult | None) -> dict[str, Any]:
         return usage_event(principal=self.principal, request_id=self.request_id,
                            model=self.model, tier=self.tier, engine=engine, result=result,
-                           started=self.started, capacity=self.capacity)
+                           started=self.started, capacity=self.capacity, user=self.user)
 
     async def failed_before_output(self, engine: EngineInfo | None) -> None:
         """Record an unbilled engine_error event and release the admission."""
@@ -292,7 +296,8 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     rate_headers = ticket.headers if ticket is not None else {}
     accounting = _Accounting(principal=principal, request_id=request_id, model=req.model,
                              tier=tier, started=started, ticket=ticket,
-                             capacity=ticket.capacity if ticket is not None else "on_demand")
+                             capacity=ticket.capacity if ticket is not None else "on_demand",
+                             user=req.user)
     call = pipeline.engine_call(get_fleet().client, principal=principal, req=req,
                                 regions=pipeline.engine_regions(placement, ticket), tier=tier,
                                 request_id=request_id)

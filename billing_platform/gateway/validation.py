@@ -8,10 +8,11 @@ not know could change what the engine generates or whose prompt it reads (SGLang
 
 Two bounds come out of every body, and admission reserves the worst case from them:
 
-- the output bound: ONE number, sent to the engine in the one field it honours on that
-  endpoint (SGLang's chat reads ``max_completion_tokens`` before ``max_tokens``, its legacy
-  completions only ``max_tokens``); the other field is never forwarded, so the engine cannot
-  generate more than was reserved;
+- the output bound: ONE number per choice, sent to the engine in the one field it honours on
+  that endpoint (SGLang's chat reads ``max_completion_tokens`` before ``max_tokens``, its
+  legacy completions only ``max_tokens``); the other field is never forwarded, so the engine
+  cannot generate more than was reserved; with ``n`` choices the engine generates up to ``n``
+  times that, and ``max_output`` (what admission reserves) is that product;
 - the prompt bound: every field the engine renders into the prompt counts (message contents,
   tool calls and other message fields, ``tools``, a completion's ``suffix``), at least one
   byte per token; content the gateway cannot bound (images, audio, files) is refused.
@@ -44,9 +45,15 @@ CHAT_FIELDS = _SAMPLING | {"messages", "top_logprobs", "tools", "tool_choice",
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "echo", "suffix", "json_schema"}
 # Read by the gateway itself; the engine gets the gateway's own value (or nothing).
 GATEWAY_FIELDS = frozenset({"model", "stream_options", "service_tier", "n", "max_tokens",
-                            "max_completion_tokens"})
+                            "max_completion_tokens", "user"})
 # OpenAI's informational fields: accepted so clients that send them work, never forwarded.
-DROPPED = frozenset({"metadata", "store", "user", "prompt_cache_key", "safety_identifier"})
+DROPPED = frozenset({"metadata", "store", "prompt_cache_key", "safety_identifier"})
+# OpenAI takes n up to 128; each choice is reserved in full, so a large n only reserves more.
+MAX_N = 128
+# ``user`` is stored on the usage event (metering.events.MAX_USER) and grouped by in
+# /api/v1/usage; characters the event store refuses are refused here, with OpenAI's param.
+MAX_USER = 256
+_USER_FORBIDDEN = "\t\n\r\\\x00"
 # The engine field that carries the output bound, per endpoint (the one SGLang honours).
 OUTPUT_FIELD = {"chat": "max_completion_tokens", "completion": "max_tokens"}
 # Which of the two fields a client sent is the bound, in the engine's own order.
@@ -70,7 +77,9 @@ class InferenceRequest:
     prompt_text: str            # for routing (prefix affinity) only
     engine_body: dict[str, Any]
     prompt_bound: int = 0       # tokens the engine's prompt can have, at most
-    max_output: int = 0         # tokens the engine may generate (sent in OUTPUT_FIELD)
+    max_output: int = 0         # tokens the engine may generate, all choices together
+    n: int = 1                  # choices; each gets max_output // n (sent in OUTPUT_FIELD)
+    user: str | None = None     # the client's end user, stored on the usage event
 
 
 def _json_bytes(value: Any) -> int:
@@ -127,7 +136,28 @@ def _output_bound(body: dict[str, Any], kind: str) -> int:
     return pipeline.output_bound(asked)
 
 
-def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
+@dataclass(frozen=True)
+class _Common:
+    model: str
+    stream: bool
+    include_usage: bool
+    tier: str
+    n: int
+    user: str | None
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    if user is None:
+        return None
+    if not isinstance(user, str) or len(user) > MAX_USER or any(
+            c in user for c in _USER_FORBIDDEN):
+        raise InvalidRequest(f"'user' must be a string of at most {MAX_USER} characters, "
+                             "without tabs, line breaks, backslashes or NUL.", param="user")
+    return user or None
+
+
+def _common(body: dict[str, Any]) -> _Common:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("you must provide a model parameter", param="model")
@@ -151,21 +181,29 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool, str]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise InvalidRequest(f"'{name}' must be a positive integer.", param=name)
-    n = body.get("n", 1)
-    if n != 1:
-        raise InvalidRequest("Only n=1 is supported.", param="n")
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer between 1 and {MAX_N}.", param="n")
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float)
                                     or not 0 <= temperature <= 2):
         raise InvalidRequest("'temperature' must be between 0 and 2.", param="temperature")
-    return model, stream, include_usage, tier
+    return _Common(model, stream, include_usage, tier, n, _user(body))
+
+
+def _choices(engine_body: dict[str, Any], common: _Common) -> None:
+    """Forward ``n`` only when it asks for more than one choice (SGLang's default is 1)."""
+    if common.n > 1:
+        engine_body["n"] = common.n
 
 
 def parse_chat(body: Any) -> InferenceRequest:
     """Validate a chat completion body."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    model, stream, include_usage, tier = _common(body)
+    common = _common(body)
     engine_body = _forwarded(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -195,20 +233,21 @@ def parse_chat(body: Any) -> InferenceRequest:
     for name in ("tool_choice", "chat_template_kwargs", "response_format"):
         if body.get(name) is not None:
             extra += _json_bytes(body[name])
-    max_output = _output_bound(body, "chat")
-    engine_body[OUTPUT_FIELD["chat"]] = max_output
+    per_choice = _output_bound(body, "chat")
+    engine_body[OUTPUT_FIELD["chat"]] = per_choice
+    _choices(engine_body, common)
     prompt_text = "\n".join(texts)
-    return InferenceRequest("chat", model, stream, include_usage, tier, prompt_text,
-                            engine_body, prompt_bound=prompt_token_bound(
-                                prompt_text, len(messages)) + extra,
-                            max_output=max_output)
+    return InferenceRequest("chat", common.model, common.stream, common.include_usage,
+                            common.tier, prompt_text, engine_body,
+                            prompt_bound=prompt_token_bound(prompt_text, len(messages)) + extra,
+                            max_output=common.n * per_choice, n=common.n, user=common.user)
 
 
 def parse_completion(body: Any) -> InferenceRequest:
     """Validate a legacy completion body (a single prompt string)."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    model, stream, include_usage, tier = _common(body)
+    common = _common(body)
     engine_body = _forwarded(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -219,9 +258,11 @@ def parse_completion(body: Any) -> InferenceRequest:
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("'suffix' must be a string.", param="suffix")
     extra = len(suffix.encode()) if suffix else 0
-    max_output = _output_bound(body, "completion")
+    per_choice = _output_bound(body, "completion")
     engine_body["prompt"] = prompt
-    engine_body[OUTPUT_FIELD["completion"]] = max_output
-    return InferenceRequest("completion", model, stream, include_usage, tier, prompt,
-                            engine_body, prompt_bound=prompt_token_bound(prompt, 1) + extra,
-                            max_output=max_output)
+    engine_body[OUTPUT_FIELD["completion"]] = per_choice
+    _choices(engine_body, common)
+    return InferenceRequest("completion", common.model, common.stream, common.include_usage,
+                            common.tier, prompt, engine_body,
+                            prompt_bound=prompt_token_bound(prompt, 1) + extra,
+                            max_output=common.n * per_choice, n=common.n, user=common.user)

@@ -7,7 +7,8 @@ with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
 ``/sim/faults`` (change fault injection at run time) and ``/sim/stats`` (counters).
 
 Known differences from SGLang, on purpose: the cache report is always on (as with
-``--enable-cache-report``), ``n`` must be 1, batch inputs are refused, and ``/health`` says only
+``--enable-cache-report``), batch inputs are refused, fault injection mid-body applies to
+``n=1`` answers without logprobs or reasoning only, and ``/health`` says only
 that the process is up (SGLang's with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``; the
 generating probe is ``/health_generate``).
 
@@ -35,7 +36,7 @@ from starlette.routing import Route
 from engine_adapter.sim.config import Faults, SimConfig
 from engine_adapter.sim.engine import Engine, SimRequest
 from engine_adapter.sim.metrics import render_metrics
-from engine_adapter.sim.tokenizer import TemplateError, encode, render_chat
+from engine_adapter.sim.tokenizer import TemplateError, encode, render_chat, word
 
 SIM_VERSION = "0.5.0-tollgate-sim"
 log = logging.getLogger("engine_adapter.sim")
@@ -145,10 +146,46 @@ class SimServer:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
         return self.config.served_model_name
 
-    def _check_n(self, body: dict[str, Any]) -> None:
-        n = _opt_int(body, "n", minimum=1)
-        if n not in (None, 1):
-            raise ApiError(400, "The simulator supports n=1 only", "n")
+    def _check_n(self, body: dict[str, Any]) -> int:
+        return _opt_int(body, "n", minimum=1) or 1
+
+    def _choices(self, body: dict[str, Any], first: SimRequest, n: int, prompt_ids: list[int],
+                 **kwargs: Any) -> list[SimRequest]:
+        """Return the ``n`` requests of one body: SGLang samples each choice on its own (a
+        seeded body gives each choice its own stream, as parallel sampling does)."""
+        reqs = [first]
+        for i in range(1, n):
+            req = self._make_request(body, prompt_ids, **kwargs)
+            req.rid = f"{first.rid}-{i}"
+            req.request_seed = (first.request_seed or 0) * 1_000_003 + i
+            reqs.append(req)
+        return reqs
+
+    def _logprobs(self, body: dict[str, Any], *, chat: bool) -> int | None:
+        """Return how many top logprobs each token carries, or None when none were asked."""
+        if chat:
+            if not body.get("logprobs"):
+                if body.get("top_logprobs"):
+                    raise ApiError(400, "top_logprobs requires logprobs to be true",
+                                   "top_logprobs")
+                return None
+            top = _opt_int(body, "top_logprobs", minimum=0) or 0
+            if top > 20:
+                raise ApiError(400, "top_logprobs must be between 0 and 20", "top_logprobs")
+            return top
+        top = _opt_int(body, "logprobs", minimum=0)
+        if top is not None and top > 5:
+            raise ApiError(400, "logprobs must be between 0 and 5", "logprobs")
+        return top
+
+    def _reasoning(self, body: dict[str, Any], *, chat: bool) -> tuple[int, bool]:
+        """Return (tokens the model thinks first, whether they are split off as
+        ``reasoning_content``), as SGLang's reasoning parser with a Qwen3-style template."""
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not chat or not self.config.reasoning_tokens or (
+                isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False):
+            return 0, False
+        return self.config.reasoning_tokens, body.get("separate_reasoning", True) is not False
 
     def _make_request(
         self,
@@ -210,7 +247,7 @@ class SimServer:
         """POST /v1/chat/completions."""
         body = await self._body(request)
         model = self._check_model(body)
-        self._check_n(body)
+        n = self._check_n(body)
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise ApiError(400, "messages must be a list", "messages")
@@ -224,13 +261,15 @@ class SimServer:
         req = self._make_request(
             body, prompt_ids, rid_prefix="chatcmpl-", max_new_tokens=max_tokens, sampling=body
         )
-        return await self._openai_response(request, body, req, model, chat=True)
+        reqs = self._choices(body, req, n, prompt_ids, rid_prefix="chatcmpl-",
+                             max_new_tokens=max_tokens, sampling=body)
+        return await self._openai_response(request, body, reqs, model, chat=True)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         body = await self._body(request)
         model = self._check_model(body)
-        self._check_n(body)
+        n = self._check_n(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one is the only batch the simulator takes
@@ -246,20 +285,31 @@ class SimServer:
         req = self._make_request(
             body, prompt_ids, rid_prefix="cmpl-", max_new_tokens=max_tokens, sampling=body
         )
-        return await self._openai_response(request, body, req, model, chat=False)
+        reqs = self._choices(body, req, n, prompt_ids, rid_prefix="cmpl-",
+                             max_new_tokens=max_tokens, sampling=body)
+        return await self._openai_response(request, body, reqs, model, chat=False)
 
     async def _openai_response(
-        self, request: Request, body: dict[str, Any], req: SimRequest, model: str, *, chat: bool
+        self, request: Request, body: dict[str, Any], reqs: list[SimRequest], model: str, *,
+        chat: bool
     ) -> Response:
         stream = bool(body.get("stream", False))
         options = body.get("stream_options") or {}
         include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         # SGLang's continuous_usage_stats: every chunk carries the usage so far.
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        logprobs = self._logprobs(body, chat=chat)
+        reasoning, separate = self._reasoning(body, chat=chat)
         failed = await self._before_output()
         if failed is not None:
             return failed
         created = int(time.time())
+        if len(reqs) > 1 or logprobs is not None or reasoning:
+            return _ChoicesCall(self.engine, _ChoicesRenderer(
+                reqs, model=model, created=created, chat=chat, logprobs=logprobs,
+                reasoning=reasoning, separate_reasoning=separate,
+                continuous_usage=continuous), stream=stream, include_usage=include_usage)
+        req = reqs[0]
         renderer = _OpenAIRenderer(req, model=model, created=created, chat=chat,
                                    continuous_usage=continuous)
         return _EngineCall(
@@ -557,6 +607,221 @@ class _OpenAIRenderer:
         }
 
 
+def _logprob(token_id: int, rank: int = 0) -> float:
+    """A token's simulated log-probability (stable per token id; alternatives rank lower)."""
+    return round(-((token_id * 2654435761) % 4096) / 1024 - 0.75 * rank, 6)
+
+
+async def _watch_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ChoicesRenderer:
+    """Chat and completion answers with ``n`` choices, logprobs or reasoning, as SGLang's
+    serving_chat/serving_completions word them; the single plain choice has the faster
+    ``_OpenAIRenderer``. Pieces are recorded per choice as the engine yields them."""
+
+    def __init__(self, reqs: list[SimRequest], *, model: str, created: int, chat: bool,
+                 logprobs: int | None, reasoning: int, separate_reasoning: bool,
+                 continuous_usage: bool) -> None:
+        self.reqs = reqs
+        self.chat = chat
+        self.logprobs = logprobs
+        self.reasoning = reasoning
+        self.separate = separate_reasoning
+        self.continuous_usage = continuous_usage
+        self.pieces: list[list[str]] = [[] for _ in reqs]
+        self.sent_role = [False] * len(reqs)
+        self.base = {"id": reqs[0].rid,
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": model}
+
+    def reasoning_count(self, i: int) -> int:
+        return min(self.reasoning, len(self.reqs[i].output_ids))
+
+    def usage(self) -> dict[str, Any]:
+        """SGLang's UsageProcessor: the prompt (and its cached part) once, completions and
+        reasoning tokens summed over the choices."""
+        first = self.reqs[0]
+        prompt = len(first.prompt_ids)
+        completion = sum(len(r.output_ids) for r in self.reqs)
+        reasoning = sum(self.reasoning_count(i) for i in range(len(self.reqs)))
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": (
+                {"cached_tokens": first.cached_tokens} if first.cached_tokens else None),
+            "reasoning_tokens": reasoning,
+            "completion_tokens_details": (
+                {"reasoning_tokens": reasoning} if reasoning else None),
+        }
+
+    def _token_logprobs(self, i: int, start: int, end: int) -> Any:
+        if self.logprobs is None:
+            return None
+        req, pieces = self.reqs[i], self.pieces[i]
+        ids, top = req.output_ids[start:end], self.logprobs
+        texts = pieces[start:end] + [""] * (len(ids) - len(pieces[start:end]))
+        if self.chat:
+            def entry(text: str, lp: float) -> dict[str, Any]:
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+            return {"content": [
+                {**entry(text, _logprob(tid)),
+                 "top_logprobs": [entry(text if r == 0 else word(tid + r), _logprob(tid, r))
+                                  for r in range(top)]}
+                for tid, text in zip(ids, texts, strict=True)]}
+        offsets, at = [], len("".join(pieces[:start]))
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"text_offset": offsets, "token_logprobs": [_logprob(t) for t in ids],
+                "tokens": texts,
+                "top_logprobs": [{(text if r == 0 else word(tid + r)): _logprob(tid, r)
+                                  for r in range(top)} or None
+                                 for tid, text in zip(ids, texts, strict=True)]}
+
+    def _split(self, i: int) -> tuple[str | None, str]:
+        """Return (reasoning_content, content) of choice ``i``'s text so far."""
+        text = self.reqs[i].text
+        if not self.reasoning:
+            return None, text
+        thought = "".join(self.pieces[i][:self.reasoning_count(i)])
+        if not self.separate:
+            return None, text
+        return thought, text[len(thought):]
+
+    def token_frame(self, i: int, k: int, piece: str) -> bytes:
+        """The frame of choice ``i``'s token ``k`` (already recorded in ``pieces``)."""
+        choice: dict[str, Any] = {"index": i}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self.sent_role[i]:
+                delta["role"] = "assistant"
+                self.sent_role[i] = True
+            thinking = self.separate and k < self.reasoning
+            delta["reasoning_content" if thinking else "content"] = piece
+            choice["delta"] = delta
+        else:
+            choice["text"] = piece
+        choice.update(logprobs=self._token_logprobs(i, k, k + 1), finish_reason=None,
+                      matched_stop=None)
+        return _sse({**self.base, "choices": [choice],
+                     "usage": self.usage() if self.continuous_usage else None})
+
+    def finish_frame(self, i: int) -> bytes:
+        finish, matched = _finish(self.reqs[i])
+        choice: dict[str, Any] = {"index": i}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        choice.update(logprobs=None, finish_reason=finish, matched_stop=matched)
+        return _sse({**self.base, "choices": [choice],
+                     "usage": self.usage() if self.continuous_usage else None})
+
+    def end_frames(self, include_usage: bool) -> list[bytes]:
+        frames = []
+        if include_usage:
+            frames.append(_sse({**self.base, "choices": [], "usage": self.usage()}))
+        frames.append(_sse("[DONE]"))
+        return frames
+
+    def full(self) -> dict[str, Any]:
+        """Return the non-streaming body."""
+        choices = []
+        for i, req in enumerate(self.reqs):
+            finish, matched = _finish(req)
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                thought, content = self._split(i)
+                choice["message"] = {"role": "assistant", "content": content,
+                                     "reasoning_content": thought, "tool_calls": None}
+            else:
+                choice["text"] = req.text
+            choice.update(logprobs=self._token_logprobs(i, 0, len(req.output_ids)),
+                          finish_reason=finish, matched_stop=matched)
+            choices.append(choice)
+        return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": choices, "usage": self.usage(),
+                "metadata": {"weight_version": "default"}}
+
+
+class _ChoicesCall:
+    """ASGI response that runs a body's choices side by side, aborting them all when the
+    client goes away; a stream interleaves their tokens as they come, as SGLang's does."""
+
+    def __init__(self, engine: Engine, renderer: _ChoicesRenderer, *, stream: bool,
+                 include_usage: bool) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.stream = stream
+        self.include_usage = include_usage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._run(send))
+        watch = asyncio.create_task(_watch_disconnect(receive))
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await work
+            return
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        with contextlib.suppress(OSError):
+            work.result()
+
+    async def _run(self, send: Send) -> None:
+        renderer = self.renderer
+        queue: asyncio.Queue[tuple[int, int, str | None]] = asyncio.Queue()
+
+        async def pump(i: int, req: SimRequest) -> None:
+            events = self.engine.generate(req, paced=self.stream)
+            try:
+                async for piece in events:
+                    renderer.pieces[i].append(piece)
+                    queue.put_nowait((i, len(renderer.pieces[i]) - 1, piece))
+            finally:
+                await events.aclose()
+                queue.put_nowait((i, -1, None))
+
+        tasks = [asyncio.create_task(pump(i, req)) for i, req in enumerate(renderer.reqs)]
+        try:
+            if self.stream:
+                await send({
+                    "type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
+                })  # fmt: skip
+            left = len(tasks)
+            while left:
+                i, k, piece = await queue.get()
+                if not self.stream:
+                    left -= piece is None
+                    continue
+                frame = (renderer.finish_frame(i) if piece is None
+                         else renderer.token_frame(i, k, piece))
+                left -= piece is None
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            if self.stream:
+                await send({"type": "http.response.body",
+                            "body": b"".join(renderer.end_frames(self.include_usage))})
+                return
+            body = json.dumps(renderer.full(), separators=(",", ":")).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _NativeRenderer:
     """``/generate`` bodies: cumulative ``text`` plus ``meta_info``, as SGLang streams them."""
 
@@ -610,7 +875,7 @@ class _EngineCall:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.create_task(self._run(send))
-        watch = asyncio.create_task(self._watch_disconnect(receive))
+        watch = asyncio.create_task(_watch_disconnect(receive))
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             # The client went away: cancelling closes the engine iterator, which frees the slot.
@@ -623,10 +888,6 @@ class _EngineCall:
             await watch
         with contextlib.suppress(OSError):  # the client left while the last bytes went out
             work.result()
-
-    async def _watch_disconnect(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
 
     async def _run(self, send: Send) -> None:
         fail_after = self.engine.faults.fail_after_tokens

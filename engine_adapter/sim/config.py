@@ -47,6 +47,9 @@ class SimConfig:
     log_level: str = "warning"
     # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: how long /health_generate waits for the scheduler
     health_check_timeout_s: float = 20.0
+    # A reasoning model behind SGLang's ``--reasoning-parser``: a chat completion's first
+    # ``reasoning_tokens`` tokens are its thinking (0: the model does not reason).
+    reasoning_tokens: int = 0
     faults: Faults | None = None
 
     def __post_init__(self) -> None:
@@ -77,11 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang", action="store_true", help="start hung (see Faults.hang)")
     parser.add_argument("--schedule-low-priority-values-first", action="store_true")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--sim-reasoning-tokens", type=int, default=0,
+                        help="chat completions think this many tokens first (SGLang's "
+                             "reasoning parser splits them off as reasoning_content)")
     # SGLang flags that the launch line carries and that change nothing in the simulator: the
     # cache report, metrics and priority scheduling are always on here.
     for flag in ("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling"):
         parser.add_argument(flag, action="store_true")
-    for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device"):
+    for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device",
+                 "--reasoning-parser"):
         parser.add_argument(flag, default=None)
     return parser
 
@@ -134,6 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         low_priority_values_first=args.schedule_low_priority_values_first,
         log_level=args.log_level,
         health_check_timeout_s=conf.sim_health_check_timeout_s(),
+        reasoning_tokens=max(0, args.sim_reasoning_tokens),
         faults=Faults(
             error_rate=args.error_rate,
             stall_s=args.stall_s,

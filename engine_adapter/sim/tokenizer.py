@@ -39,6 +39,11 @@ _WORD_TEXT = (
 _WORDS = tuple(_WORD_TEXT.split())
 
 
+def word(i: int) -> str:
+    """Return one of the simulated model's words (stand-ins for a logprob's alternatives)."""
+    return _WORDS[i % len(_WORDS)]
+
+
 class TemplateError(ValueError):
     """A chat message the simulator cannot render (bad role, non-text content)."""
 

@@ -167,7 +167,7 @@ def test_bad_requests_get_sglang_error_json(sim: SimProcess) -> None:
         )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model=sim.model, messages=[{"role": "user", "content": "x"}], n=2
+            model=sim.model, messages=[{"role": "user", "content": "x"}], n=0
         )
     resp = httpx.post(f"{sim.base_url}/v1/chat/completions", content=b"{not json")
     assert resp.status_code == 400
