@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -23,10 +24,11 @@ from billing_platform.gateway import response_store
 from billing_platform.gateway.models import StoredResponse
 from billing_platform.gateway.responses import inference_request, parse_responses
 from billing_platform.gateway.tasks import responses_expire
+from engine_adapter.sim.testing import start_sim
 from metering.models import UsageEvent
 from plans import admission, quotas
 from tests.conftest import wait_until
-from tests.gateway.conftest import drain_usage
+from tests.gateway.conftest import drain_usage, register_engine
 from tests.gateway.test_openai_api import LONG, _event, _key
 
 
@@ -267,3 +269,50 @@ def test_200_concurrent_continued_responses_never_exceed_a_hard_budget(live_gate
     spend = UsageEvent.objects.filter(organization=org).aggregate(s=Sum("amount"))["s"]
     assert budget - worst < spend <= budget, (spend, budget, worst, len(ids))
     assert StoredResponse.objects.filter(organization=org).count() == len(ids) + 1
+
+
+def test_a_stream_cut_short_is_metered_as_delivered_and_not_stored(live_gateway):
+    _key_obj, secret = _key()
+    auth = {"Authorization": f"Bearer {secret}"}
+    slow = start_sim(served_model_name="slow", decode_tokens_per_s=40)
+    doomed = start_sim(served_model_name="doomed", decode_tokens_per_s=40)
+    try:
+        register_engine(slow, pool="slow-us", region="us-east", zone="us")
+        register_engine(doomed, pool="doomed-us", region="us-east", zone="us")
+        for model in ("slow", "doomed"):
+            wait_until(lambda m=model: httpx.get(f"{live_gateway.url}/v1/models/{m}",
+                                                 headers=auth).status_code == 200,
+                       timeout=5, what="fleet refresh")
+
+        # the engine dies mid-stream: an error event, then response.failed; nothing stored
+        body = {"model": "doomed", "input": "go", "max_output_tokens": 400, "stream": True}
+        kinds = []
+        with httpx.stream("POST", f"{live_gateway.url}/v1/responses", json=body,
+                          headers=auth, timeout=30) as r:
+            request_id = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    kinds.append(json.loads(line[6:])["type"])
+                    if kinds.count("response.output_text.delta") == 3:
+                        doomed.process.send_signal(signal.SIGKILL)
+        assert kinds[-2:] == ["error", "response.failed"]
+        event = _event(request_id)
+        assert event.status == "engine_error" and event.completion_tokens >= 3
+        assert not StoredResponse.objects.filter(request_id=request_id).exists()
+
+        # the client goes mid-stream: what was delivered is metered; nothing stored
+        body = {"model": "slow", "input": "go", "max_output_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{live_gateway.url}/v1/responses", json=body,
+                          headers=auth, timeout=30) as r:
+            request_id = r.headers["x-request-id"]
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line.startswith("event: response.output_text.delta")
+                if deltas >= 8:
+                    break
+        event = _event(request_id)
+        assert event.status == "client_aborted" and 8 <= event.completion_tokens < 400
+        assert not StoredResponse.objects.filter(request_id=request_id).exists()
+    finally:
+        slow.stop()
+        doomed.stop()
