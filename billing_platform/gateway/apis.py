@@ -200,6 +200,41 @@ async def response_detail(request: HttpRequest, principal: KeyPrincipal, request
     return response
 
 
+@openai_endpoint(methods=("GET",))
+async def response_input_items(request: HttpRequest, principal: KeyPrincipal,
+                               request_id: str, response_id: str) -> HttpResponse:
+    """The input items of one of the organization's stored responses, as OpenAI pages them
+    (``limit`` 1-100, default 20; ``order`` desc by default; ``after`` an item id)."""
+    limit_text, order = request.GET.get("limit", "20"), request.GET.get("order", "desc")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.",
+                             param="limit")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("Invalid 'order': expected 'asc' or 'desc'.", param="order")
+    try:
+        stored = await in_thread(response_store.stored_response_get)(
+            org_id=principal.org_id, public_id=response_id)
+    except DatabaseError as exc:
+        raise unavailable(exc) from exc
+    items = response_store.input_item_objects(stored)
+    if order == "desc":
+        items.reverse()
+    after = request.GET.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"Invalid 'after': no input item '{after}' in this "
+                                 "response.", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(limit_text)]
+    response = JsonResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": len(items) > len(page)})
+    response["x-request-id"] = request_id
+    return response
+
+
 def _model_object(model: services.OfferedModel) -> dict[str, Any]:
     return {"id": model.id, "object": "model", "created": int(model.created.timestamp()),
             "owned_by": "tollgate", "endpoints": list(model.endpoints)}

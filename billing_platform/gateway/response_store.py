@@ -120,6 +120,20 @@ def stored_response_get(*, org_id: int, public_id: str) -> StoredResponse:
     return found
 
 
+def input_item_objects(stored: StoredResponse) -> list[dict[str, Any]]:
+    """Return a stored response's own input turns as OpenAI's input items, oldest first
+    (ids stable per response and position, so ``after`` pages through them)."""
+    out = []
+    for i, turn in enumerate(stored.input_items):
+        kind = "output_text" if turn["role"] == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": turn["content"]}
+        if kind == "output_text":
+            part["annotations"] = []
+        out.append({"id": f"msg_{stored.public_id[5:]}_{i}", "type": "message",
+                    "role": turn["role"], "status": "completed", "content": [part]})
+    return out
+
+
 def stored_response_delete(*, org_id: int, public_id: str) -> None:
     """Delete the organization's stored response ``public_id`` (the responses that continued
     it keep their own turns, and their chain now starts with them); raise NotFound."""

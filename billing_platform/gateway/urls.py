@@ -11,6 +11,8 @@ urlpatterns = [
     path("messages", apis.messages, name="v1-messages"),
     path("responses", apis.responses, name="v1-responses"),
     path("responses/<str:response_id>", apis.response_detail, name="v1-response"),
+    path("responses/<str:response_id>/input_items", apis.response_input_items,
+         name="v1-response-input-items"),
     path("models", apis.models, name="v1-models"),
     path("models/<path:model_id>", apis.model_detail, name="v1-model"),
     path("files", batch_apis.files_root, name="v1-files"),

@@ -136,10 +136,23 @@ def test_previous_response_id_continues_the_organizations_stored_conversation(li
                                     previous_response_id=second.id)
     assert third.usage.input_tokens > second.usage.input_tokens
 
-    # GET answers the Response as it was created
+    # GET answers the Response as it was created, and its own input items, paged
     got = client.responses.retrieve(first.id)
     assert (got.id, got.output_text, got.usage.output_tokens) == (
         first.id, first.output_text, first.usage.output_tokens)
+    turns = client.responses.create(model="small", max_output_tokens=2, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+        {"role": "user", "content": "Bye"}])
+    items = client.responses.input_items.list(turns.id, limit=2)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "Bye"),
+                                                                  ("assistant", "Hello")]
+    assert items.has_more
+    everything = list(client.responses.input_items.list(turns.id, order="asc", limit=1))
+    assert [i.content[0].text for i in everything] == ["Be brief.", "Hi", "Hello", "Bye"]
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(turns.id)
 
     # another organization: its id is not found, for reading, deleting and continuing alike
     events_before = UsageEvent.objects.count()
