@@ -115,10 +115,11 @@ SAMPLING = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "max_tokens": st.integers(1, 48), "max_completion_tokens": st.integers(1, 48),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1) | NUMBERS, "n": st.just(1),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1) | NUMBERS,
+    "n": st.integers(-1, 4) | st.sampled_from([128, 129]) | NUMBERS,
     "seed": NUMBERS, "stop": TEXT | st.lists(TEXT, max_size=4),
     "logit_bias": st.dictionaries(st.integers(0, 2**20).map(str) | TEXT, NUMBERS, max_size=3),
-    "logprobs": st.booleans(), "frequency_penalty": st.floats(-2, 2) | NUMBERS,
+    "logprobs": st.booleans() | st.integers(-1, 6), "frequency_penalty": st.floats(-2, 2) | NUMBERS,
     "presence_penalty": st.floats(-2, 2) | NUMBERS,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "service_tier": st.sampled_from(["auto", "default", "priority", "flex", "scale"]),
@@ -126,7 +127,7 @@ SAMPLING = {
     "top_k": st.integers(-1, 100) | NUMBERS, "min_p": st.floats(0, 1),
     "stop_token_ids": st.lists(st.integers(0, 2**40), max_size=3), "ignore_eos": st.booleans(),
 }
-CHAT_FIELDS = {**SAMPLING, "top_logprobs": st.integers(0, 20),
+CHAT_FIELDS = {**SAMPLING, "top_logprobs": st.integers(-1, 21),
                "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function":
                    st.fixed_dictionaries({"name": TEXT, "parameters": JSON})}), max_size=2),
                "tool_choice": st.sampled_from(["auto", "none", "required"]),
@@ -292,6 +293,41 @@ def test_responses_bodies_never_get_a_5xx(v1, body):
         # a stored answer is retrievable, whatever its text held (NUL included)
         got = v1.http.get(f"{v1.url}/v1/responses/{created['id']}")
         assert got.status_code == (200 if created["store"] else 404), got.text[:500]
+
+
+# n choices, logprobs and user (issue 20 item 4): well-formed bodies are answered with n
+# choices whose logprob entries add up to the usage's completion tokens, and the stored event
+# carries the same counts and the user
+N_BODY = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=2),
+     "n": st.integers(1, 4), "max_tokens": st.integers(1, 12), "logprobs": st.just(True)},
+    optional={"top_logprobs": st.integers(0, 5), "seed": st.integers(0, 2**31),
+              "stop": st.lists(st.sampled_from(["the", ".", "and", " cache"]),
+                               max_size=2),
+              "user": st.text(st.characters(exclude_characters="\t\n\r\\\x00"),
+                              min_size=1, max_size=256)})
+
+
+@settings(FUZZ, max_examples=40)
+@given(body=N_BODY)
+def test_n_choices_with_logprobs_are_answered_and_metered_exactly(v1, body):
+    from metering.models import UsageEvent
+    from tests.gateway.conftest import drain_usage
+
+    response = v1.post("/v1/chat/completions", json.dumps(body).encode("utf-8",
+                                                                          "surrogatepass"))
+    assert_survives(response)
+    if response.status_code != 200:  # a prompt past the context, say: refused, not served
+        return
+    answer = json.loads(response.text)
+    assert [c["index"] for c in answer["choices"]] == list(range(body["n"]))
+    generated = sum(len(c["logprobs"]["content"]) for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == generated <= body["n"] * body["max_tokens"]
+    drain_usage()
+    event = UsageEvent.objects.get(request_id=response.headers["x-request-id"])
+    assert (event.prompt_tokens, event.completion_tokens) == (
+        answer["usage"]["prompt_tokens"], generated)
+    assert event.end_user == (body.get("user") or None)
 
 
 BATCH_LINE = hostile({"custom_id": TEXT, "method": st.just("POST"),
