@@ -31,6 +31,14 @@ from tests.conftest import wait_until
 from tests.gateway.conftest import drain_usage, register_engine
 from tests.gateway.test_openai_api import LONG, _event, _key
 
+# the gateway of these tests keeps stored responses 7 days (the default is 30)
+RETENTION_DAYS = 7
+
+
+@pytest.fixture
+def gateway_env() -> dict[str, str]:
+    return {"TOLLGATE_RESPONSES_RETENTION_DAYS": str(RETENTION_DAYS)}
+
 
 def _client(gateway, secret: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=secret, max_retries=0)
@@ -195,7 +203,7 @@ def test_previous_response_id_continues_the_organizations_stored_conversation(li
     assert responses_expire() == 0
     assert not StoredResponse.objects.filter(public_id=first.id).exists()
     kept = StoredResponse.objects.get(public_id=third.id)
-    assert kept.expires_at - kept.created_at == timedelta(days=30)
+    assert kept.expires_at - kept.created_at == timedelta(days=RETENTION_DAYS)
 
 
 def test_bad_input_is_refused_in_openais_shape_with_its_param(live_gateway):
