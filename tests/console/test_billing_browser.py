@@ -23,21 +23,19 @@ from billing_platform.invoicing.choices import InvoiceStatus, PaymentStatus
 from billing_platform.invoicing.models import Invoice, PaymentAttempt
 from plans import services as plan_services
 from tests.conftest import wait_until
-from tests.console.conftest import CHROMIUM
-from tests.console.test_finance_browser import in_thread, sign_in
-from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
+from tests.console.browser import (
+    BROWSER_MARKS,
+    PASSWORD,
+    in_thread,
+    open_october_invoice,
+    shoot,
+    sign_in,
+    stripe_env,
+)
+from tests.factories import MembershipFactory
 from tests.gateway.conftest import start_gateway, stop_gateway
-from tests.invoicing.conftest import NOV, OCT
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
-                       "installs Debian's chromium where it can: apt-get install chromium)"),
-    pytest.mark.django_db(transaction=True),
-]
-
-PASSWORD = "a-long-passphrase-42"
-SCREENSHOTS = Path(__file__).with_name("screenshots")
-WIDTHS = {"desktop": (1280, 900), "phone": (375, 800)}
+pytestmark = BROWSER_MARKS
 
 
 @pytest.fixture
@@ -50,14 +48,9 @@ def web_env() -> dict[str, str]:
 def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_path, web_env):
     """An org with a 200.00 October invoice open and 25.00 of credit, its owner, a worker for
     the charge task and the web process. Yields (base URL, the invoice)."""
-    stripe_env = {"STRIPE_API_BASE": localstripe_url, "STRIPE_API_KEY": "sk_test_tollgate",
-                  "STRIPE_WEBHOOK_SECRET": "whsec_tollgate_test"}
-    make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
-    org = make_billed_org(name="Card Co")
-    plan_services.reservation_create(organization=org, offering=make_offering(model="m-big"),
-                                     units=2, term="monthly", starts_at=OCT)
-    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
-    invoice = Invoice.objects.get(organization=org)
+    env = stripe_env(localstripe_url)
+    invoice = open_october_invoice("Card Co")
+    org = invoice.organization
     plan_services.credit_grant_create(organization=org, kind="promotional", amount="25.00",
                                       expires_at=timezone.now() + timedelta(days=30),
                                       note="welcome credit")
@@ -65,21 +58,10 @@ def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
                               user__email="owner@cardco.example.com").user
     owner.set_password(PASSWORD)
     owner.save()
-    celery_worker_process(queues="billing", env=stripe_env)
-    server = start_gateway(tmp_path, env={**stripe_env, **web_env})
+    celery_worker_process(queues="billing", env=env)
+    server = start_gateway(tmp_path, env={**env, **web_env})
     yield server.url, invoice
     stop_gateway(server)
-
-
-def shoot(page, name: str) -> None:
-    """Screenshot the page at desktop and phone width; at phone width nothing spills over."""
-    SCREENSHOTS.mkdir(exist_ok=True)
-    for label, (width, height) in WIDTHS.items():
-        page.set_viewport_size({"width": width, "height": height})
-        if label == "phone":
-            assert page.evaluate("document.querySelector('main').scrollWidth") <= width, name
-        page.screenshot(path=str(SCREENSHOTS / f"{name}-{width}.png"), full_page=True)
-    page.set_viewport_size({"width": 1280, "height": 900})
 
 
 def _attempt_succeeded(invoice_id: int) -> bool:

@@ -7,7 +7,7 @@ form; Stripe.js (and its CSP) only with a publishable key."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -26,11 +26,10 @@ from billing_platform.invoicing.models import (
 )
 from billing_platform.invoicing.tasks import invoice_charge_task
 from plans import services as plan_services
-from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
+from tests.console.browser import open_october_invoice
+from tests.factories import MembershipFactory, make_billed_org
 from tests.invoicing.test_invoice_payments import _event, _signed
 
-OCT = datetime(2026, 10, 1, tzinfo=UTC)
-NOV = datetime(2026, 11, 1, tzinfo=UTC)
 REPLACED = "billing.payment_method_replace"
 
 
@@ -38,12 +37,8 @@ REPLACED = "billing.payment_method_replace"
 def payer(stripe_settings, db):
     """An org whose October invoice (a 200.00 reservation fee) is open and unpaid, with three
     credit grants given after it: 25.00 expiring in December, 10.00 never, 5.00 expired."""
-    make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
-    org = make_billed_org(name="Payer")
-    plan_services.reservation_create(organization=org, offering=make_offering(model="m-big"),
-                                     units=2, term="monthly", starts_at=OCT)
-    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
-    invoice = Invoice.objects.get(organization=org)
+    invoice = open_october_invoice("Payer")
+    org = invoice.organization
     assert (invoice.status, invoice.amount_due) == (InvoiceStatus.OPEN, Decimal("200.00"))
     now = timezone.now()
     plan_services.credit_grant_create(organization=org, kind="promotional", amount="25.00",

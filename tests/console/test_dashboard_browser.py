@@ -7,10 +7,8 @@ git: artifacts for a reader, not sources)."""
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from decimal import Decimal
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,31 +18,29 @@ from metering import events, services
 from metering.models import UsageEvent
 from plans.quotas import budget_set
 from tests.conftest import wait_until
-from tests.console.conftest import CHROMIUM
+from tests.console.browser import (
+    BROWSER_MARKS,
+    DESKTOP,
+    PASSWORD,
+    create_key,
+    in_thread,
+    shoot,
+    sign_in,
+    sign_up,
+)
 from tests.factories import MembershipFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, live_gateway  # noqa: F401 (a fixture)
 
 # F811 below: ``live_gateway`` is the fixture imported above, named as a test's argument
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
-                       "installs Debian's chromium where it can: apt-get install chromium)"),
-    pytest.mark.django_db(transaction=True),
-]
+pytestmark = BROWSER_MARKS
 
-PASSWORD = "a-long-passphrase-42"
-SCREENSHOTS = Path(__file__).parent / "screenshots"
+CHARTS = ("spend-chart", "tokens-chart", "requests-chart")
 LONG = "Tollgate meters every token exactly once, durably and fast. " * 40
 
 
-def in_thread(fn, *args):
-    """Run a database read beside Playwright's event loop (Django refuses it on that thread)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def chart_specs(page) -> dict:
-    for chart in ("spend-chart", "tokens-chart", "requests-chart"):
+    for chart in CHARTS:
         page.wait_for_selector(f"canvas#{chart}[data-drawn=true]")
     return page.evaluate("""() => Object.fromEntries(["spend-chart", "tokens-chart",
         "requests-chart"].map((id) => [id, document.getElementById(id).spec]))""")
@@ -89,12 +85,8 @@ def dashboard_org():
 
 def test_dashboard_charts_equal_the_usage_api_in_chromium(dashboard_org, live_console, page):
     base = live_console.url
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.goto(f"{base}/console/login/")
-    page.fill("#id_username", "dash@example.com")
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}/console/")
+    page.set_viewport_size(DESKTOP)
+    sign_in(page, base, "dash@example.com", lands_on="/console/")
 
     # the three charts are drawn
     specs = chart_specs(page)
@@ -117,14 +109,7 @@ def test_dashboard_charts_equal_the_usage_api_in_chromium(dashboard_org, live_co
     assert page.inner_text("#requests") == "30"
 
     # screenshots at desktop and phone widths; at 375 px the page does not scroll sideways
-    SCREENSHOTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "dashboard-1280.png"), full_page=True)
-    page.set_viewport_size({"width": 375, "height": 800})
-    page.reload()
-    page.wait_for_selector("canvas#tokens-chart[data-drawn=true]")
-    page.screenshot(path=str(SCREENSHOTS / "dashboard-375.png"), full_page=True)
-    width = page.evaluate("document.documentElement.scrollWidth")
-    assert width <= 375, width
+    shoot(page, "dashboard", "canvas#tokens-chart[data-drawn=true]", reload=True, back=False)
 
 
 def test_sign_up_make_requests_with_the_sdk_and_see_them_on_the_dashboard(
@@ -134,19 +119,10 @@ def test_sign_up_make_requests_with_the_sdk_and_see_them_on_the_dashboard(
     shows those requests, equal to /api/v1/usage, with the cache's saving at the price book's
     prices (the gateway fixture's: input 0.50, cached input 0.05 = 0.1 x input per 1M)."""
     base = live_gateway.url
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.goto(f"{base}/console/signup/")
-    page.fill("#id_email", "sdk@example.com")
-    page.fill("#id_password", PASSWORD)
-    page.fill("#id_org_name", "SDK Labs")
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}/console/")
+    page.set_viewport_size(DESKTOP)
+    sign_up(page, base, "sdk@example.com", "SDK Labs")
     assert page.inner_text("#requests") == "0"
-    page.click("text=Projects & keys")
-    page.click("text=API keys →")
-    page.fill("#id_name", "sdk")
-    page.click("text=Create key")
-    secret = page.inner_text("#new-secret").strip()
+    secret = create_key(page, "sdk")
     org_id = re.search(r"org_[a-z0-9]+", page.goto(f"{base}/console/").text()).group(0)
 
     # the SDK makes four requests; the repeated long prompt is served from the prompt cache
@@ -174,9 +150,5 @@ def test_sign_up_make_requests_with_the_sdk_and_see_them_on_the_dashboard(
     assert page.inner_text("#spent") == usage_money(Decimal(total["amount"]), "USD")
     saved = Decimal(total["cached_tokens"]) * (Decimal("0.50") - Decimal("0.05")) / 1_000_000
     assert page.inner_text("#savings") == usage_money(saved, "USD")
-    SCREENSHOTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "dashboard-sdk-1280.png"), full_page=True)
-    page.set_viewport_size({"width": 375, "height": 800})
-    page.reload()
-    chart_specs(page)
-    page.screenshot(path=str(SCREENSHOTS / "dashboard-sdk-375.png"), full_page=True)
+    shoot(page, "dashboard-sdk", *(f"canvas#{c}[data-drawn=true]" for c in CHARTS),
+          reload=True, back=False)

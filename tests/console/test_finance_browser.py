@@ -11,7 +11,6 @@ POST (with a valid CSRF token) is a 404; an organization's own member gets 404 o
 from __future__ import annotations
 
 import csv
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from decimal import Decimal
 
@@ -19,29 +18,23 @@ import pytest
 
 from billing_platform.finance.permissions import ANALYST_GROUP, CONTROLLER_GROUP
 from billing_platform.invoicing import services, stripe_client
-from billing_platform.invoicing.models import Invoice
-from plans import services as plan_services
-from tests.console.conftest import CHROMIUM
-from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
+from tests.console.browser import (
+    BROWSER_MARKS,
+    PASSWORD,
+    in_thread,
+    open_october_invoice,
+    sign_in,
+    stripe_env,
+)
+from tests.factories import MembershipFactory, make_billed_org
 from tests.finance.conftest import finance_user
 from tests.gateway.conftest import start_gateway, stop_gateway
-from tests.invoicing.conftest import NOV, OCT, record
+from tests.invoicing.conftest import NOV, record
 from tests.invoicing.test_invoice_payments import _set_default_card
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
-                       "installs Debian's chromium where it can: apt-get install chromium)"),
-    pytest.mark.django_db(transaction=True),
-]
+pytestmark = BROWSER_MARKS
 
-PASSWORD = "a-long-passphrase-42"
 REPORTS = ("Revenue", "Receivables", "Credits", "Customers")
-
-
-def in_thread(fn, *args):
-    """Run a database read beside Playwright's event loop (Django refuses it on that thread)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def _user(group: str, email: str):
@@ -56,16 +49,10 @@ def finance_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
     """An October invoice paid through Stripe, an organization whose November is due, the
     three kinds of user, a worker for the refund task and the web process, all before the
     browser starts. Yields (base URL, the paid invoice, its PaymentIntent id)."""
-    stripe_env = {"STRIPE_API_BASE": localstripe_url, "STRIPE_API_KEY": "sk_test_tollgate",
-                  "STRIPE_WEBHOOK_SECRET": "whsec_tollgate_test"}
-    make_price_book(prices=[{"model": "m-small", "input": "1.00", "output": "2.00"}])
+    env = stripe_env(localstripe_url)
     # October: a 200.00 reservation fee, charged on a card and settled as Stripe reports it
-    payer = make_billed_org(name="Paid Co")
-    plan_services.reservation_create(organization=payer, offering=make_offering(model="m-big"),
-                                     units=2, term="monthly", starts_at=OCT)
-    services.period_close_run(now=NOV + timedelta(hours=1), enqueue_payments=False)
-    paid = Invoice.objects.get(organization=payer, period_start=OCT)
-    _set_default_card(payer, "pm_card_visa")
+    paid = open_october_invoice("Paid Co")
+    _set_default_card(paid.organization, "pm_card_visa")
     assert services.invoice_charge(invoice_id=paid.id) == "succeeded"
     assert services.payments_sync(older_than=timedelta(0)) == 1
     paid.refresh_from_db()
@@ -79,19 +66,10 @@ def finance_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
     member = MembershipFactory(organization=due, user__email="owner@due.example.com")
     member.user.set_password(PASSWORD)
     member.user.save()
-    worker = celery_worker_process(queues="billing", env=stripe_env)
-    server = start_gateway(tmp_path, env=stripe_env)
+    worker = celery_worker_process(queues="billing", env=env)
+    server = start_gateway(tmp_path, env=env)
     yield server.url, paid, intent_id, worker
     stop_gateway(server)
-
-
-def sign_in(page, base: str, email: str) -> None:
-    page.context.clear_cookies()
-    page.goto(f"{base}/console/login/")
-    page.fill("#id_username", email)
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
-    page.wait_for_load_state()
 
 
 def table(page, selector: str) -> list[list[str]]:

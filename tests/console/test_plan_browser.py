@@ -12,26 +12,18 @@ window 50, so 50 are usable; a 500-credit pack makes it 550.
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
 from billing_platform.accounts.choices import Role
 from plans import services
-from tests.console.conftest import CHROMIUM
+from tests.console.browser import BROWSER_MARKS, DESKTOP, PASSWORD, shoot, sign_in
 from tests.console.test_plan_page import _plans
 from tests.factories import MembershipFactory, make_billed_org, make_price_book
 from tests.invoicing.conftest import record
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
-                       "installs Debian's chromium where it can: apt-get install chromium)"),
-    pytest.mark.django_db(transaction=True),
-]
-
-PASSWORD = "a-long-passphrase-42"
-SCREENSHOTS = Path(__file__).parent / "screenshots"
+pytestmark = BROWSER_MARKS
 
 
 @pytest.fixture
@@ -51,27 +43,10 @@ def plan_org():
     return org
 
 
-def _shoot(page, name: str, ready: str) -> None:
-    """Screenshot at 1280 and 375 px; at 375 the page is no wider than the phone."""
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.screenshot(path=str(SCREENSHOTS / f"{name}-1280.png"), full_page=True)
-    page.set_viewport_size({"width": 375, "height": 800})
-    page.wait_for_selector(ready)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}-375.png"), full_page=True)
-    width = page.evaluate("document.documentElement.scrollWidth")
-    assert width <= 375, (name, width)
-    page.set_viewport_size({"width": 1280, "height": 900})
-
-
 def test_buy_a_credit_pack_and_upgrade_in_chromium(plan_org, live_console, page):
     base = live_console.url
-    SCREENSHOTS.mkdir(exist_ok=True)
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.goto(f"{base}/console/login/")
-    page.fill("#id_username", "plan@example.com")
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}/console/")
+    page.set_viewport_size(DESKTOP)
+    sign_in(page, base, "plan@example.com", lands_on="/console/")
 
     # the page, from the navigation: credits left as computed by hand
     page.click("header nav >> text=Plan & credits")
@@ -87,14 +62,14 @@ def test_buy_a_credit_pack_and_upgrade_in_chromium(plan_org, live_console, page)
     assert "Bought 500 pack: 500 credits" in page.inner_text(".messages")
     assert page.inner_text("#credits-left") == "550"
     assert page.inner_text("#purchases").count("500 pack") == 1
-    _shoot(page, "plan", "#credits-left")
+    shoot(page, "plan", "#credits-left")
 
     # preview an upgrade: the invoice's plan fees before and after, then confirm it
     page.click("#plans >> text=Upgrade…")
     page.wait_for_selector("#preview")
     assert "Basic → Pro" in page.inner_text("h1")
     assert "prorated" in page.inner_text("#fees")
-    _shoot(page, "plan-change", "#preview")
+    shoot(page, "plan-change", "#preview")
     for _ in range(2):  # fees are prorated by the second: a cent may move before the click
         page.click("#confirm-form button[type=submit]")
         page.wait_for_load_state()

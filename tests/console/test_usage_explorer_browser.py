@@ -8,29 +8,31 @@ organization's project id is a form message. Screenshots at desktop (1280 px) an
 from __future__ import annotations
 
 import csv
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 
 from metering import events, services
-from tests.console.conftest import CHROMIUM
+from tests.console.browser import (
+    BROWSER_MARKS,
+    DESKTOP,
+    PASSWORD,
+    SCREENSHOTS,
+    create_key,
+    in_thread,
+    shoot,
+    sign_in,
+    sign_up,
+)
 from tests.factories import MembershipFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import (
     drain_usage,
     live_gateway,  # noqa: F401 - the live gateway fixture
 )
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (the test command "
-                       "installs Debian's chromium where it can: apt-get install chromium)"),
-    pytest.mark.django_db(transaction=True),
-]
+pytestmark = BROWSER_MARKS
 
-PASSWORD = "a-long-passphrase-42"
-SCREENSHOTS = Path(__file__).parent / "screenshots"
 OCT = datetime(2026, 10, 1, tzinfo=UTC)
 
 
@@ -81,12 +83,8 @@ def test_usage_explorer_chart_and_csv_equal_the_api_in_chromium(explorer_org, li
                                                                  page):
     base = live_console.url
     web = explorer_org["web"]
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.goto(f"{base}/console/login/")
-    page.fill("#id_username", "explore@example.com")
-    page.fill("#id_password", PASSWORD)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}/console/")
+    page.set_viewport_size(DESKTOP)
+    sign_in(page, base, "explore@example.com", lands_on="/console/")
 
     # the member opens the explorer (this month by day and model) and asks for October,
     # by day split by model, for the web app only
@@ -149,13 +147,8 @@ def test_usage_explorer_chart_and_csv_equal_the_api_in_chromium(explorer_org, li
     page.goto(f"{base}/console/usage/?start=2026-10-01&through=2026-10-31&group=day"
               "&split=model")
     page.wait_for_selector("canvas#usage-chart[data-drawn=true]")
-    page.screenshot(path=str(SCREENSHOTS / "usage-explorer-1280.png"), full_page=True)
-    page.set_viewport_size({"width": 375, "height": 800})
-    page.reload()
-    page.wait_for_selector("canvas#usage-chart[data-drawn=true]")
-    page.screenshot(path=str(SCREENSHOTS / "usage-explorer-375.png"), full_page=True)
-    width = page.evaluate("document.documentElement.scrollWidth")
-    assert width <= 375, width
+    shoot(page, "usage-explorer", "canvas#usage-chart[data-drawn=true]", reload=True,
+          back=False)
 
     # another organization's project id in the filter: a form message, no table, no chart
     page.goto(f"{base}/console/usage/?project={explorer_org['other_project'].public_id}")
@@ -168,30 +161,15 @@ def test_usage_explorer_chart_and_csv_equal_the_api_in_chromium(explorer_org, li
     page.screenshot(path=str(SCREENSHOTS / "usage-explorer-error-375.png"), full_page=True)
 
 
-def in_thread(fn, *args):
-    """Run Django code beside Playwright's event loop (Django refuses it on that thread)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def test_sign_up_call_the_api_with_the_sdk_and_explore_it_in_chromium(
         live_gateway, page):  # noqa: F811 - the fixture imported above
     import openai
 
     # a developer signs up and creates a key in the console
     base = live_gateway.url
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.goto(f"{base}/console/signup/")
-    page.fill("#id_email", "lin@example.com")
-    page.fill("#id_password", PASSWORD)
-    page.fill("#id_org_name", "Explorer Labs")
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}/console/")
-    page.click("text=Projects & keys")
-    page.click("text=API keys →")
-    page.fill("#id_name", "sdk")
-    page.click("text=Create key")
-    secret = page.inner_text("#new-secret").strip()
+    page.set_viewport_size(DESKTOP)
+    sign_up(page, base, "lin@example.com", "Explorer Labs")
+    secret = create_key(page, "sdk")
 
     # makes 5 requests with the openai SDK; the usage is ingested (rated, rolled up)
     sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=secret, max_retries=0)
