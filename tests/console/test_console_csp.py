@@ -20,7 +20,8 @@ PASSWORD = "a-long-passphrase-42"
 MAIN_PAGES = ["/console/", "/console/usage/", "/console/batches/", "/console/projects/",
               "/console/projects/{project}/keys/", "/console/members/", "/console/settings/",
               "/console/invoices/", "/console/invoices/upcoming/", "/console/plan-advice/",
-              "/console/audit/",
+              "/console/audit/", "/console/plan/", "/console/billing/",
+              "/console/usage/?start=2026-10-01&through=2026-10-31&group=day&split=model",
               "/admin/", "/admin/accounts/organization/"]
 
 
