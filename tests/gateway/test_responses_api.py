@@ -243,6 +243,14 @@ def test_bad_input_is_refused_in_openais_shape_with_its_param(live_gateway):
                                 previous_response_id="resp_" + "0" * 32)
     assert not UsageEvent.objects.exists()  # nothing reached an engine, nothing was metered
 
+    # more than the model's context, in the input or the bound: the engine's refusal, stored
+    # nowhere
+    for body in ({"input": "word " * 40_000}, {"input": "x", "max_output_tokens": 100_000}):
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.responses.create(model="small", **body)
+        assert too_long.value.code == "context_length_exceeded"
+    assert not StoredResponse.objects.exists()
+
 
 def test_200_concurrent_continued_responses_never_exceed_a_hard_budget(live_gateway):
     # given a hard budget, and a stored response whose conversation every request continues
