@@ -243,7 +243,7 @@ def parse_responses(body: Any) -> ResponsesBody:
                               or limit < 1):
         raise InvalidRequest("Invalid 'max_output_tokens': expected a positive integer.",
                              param="max_output_tokens")
-    tier = body.get("service_tier") or "auto"
+    tier = "auto" if body.get("service_tier") is None else body["service_tier"]
     if tier not in SERVICE_TIERS:
         raise InvalidRequest(f"Invalid 'service_tier': expected one of "
                              f"{', '.join(SERVICE_TIERS)}.", param="service_tier")
