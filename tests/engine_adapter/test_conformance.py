@@ -56,11 +56,16 @@ def _chat(url: str, content: str, **extra) -> dict:
     return r.json()
 
 
-def _stream(url: str, content: str, **options) -> list[dict]:
+def _stream(url: str, content: str, *, n: int = 1, ignore_eos: bool = False, **options
+            ) -> list[dict]:
     import json
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
             "max_tokens": 4, "stream": True, "stream_options": options}
+    if n > 1:
+        body["n"] = n
+    if ignore_eos:
+        body["ignore_eos"] = True
     frames = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -89,6 +94,41 @@ def test_same_response_shapes(engines, kind):
     # continuous usage stats: token chunks carry the usage so far (the gateway relies on it)
     frames = _stream(engines[kind], "hello", include_usage=True, continuous_usage_stats=True)
     assert any(f["choices"] and f.get("usage") for f in frames)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "sim"])
+def test_same_n_choices_logprobs_and_usage(engines, kind):
+    # n choices (issue 20 item 4): the prompt counted once, the completions summed, logprobs
+    # in OpenAI's shape, and a stream that interleaves the choices by index
+    url = engines[kind]
+    one = _chat(url, "hello", max_tokens=3, ignore_eos=True)["usage"]
+    body = _chat(url, "hello", n=2, max_tokens=3, ignore_eos=True, logprobs=True,
+                 top_logprobs=2)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (one["prompt_tokens"], 6)
+    for choice in body["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 3
+        for token in content:
+            assert {"token", "logprob", "bytes", "top_logprobs"} <= token.keys()
+            assert len(token["top_logprobs"]) == 2
+            assert {"token", "logprob", "bytes"} <= token["top_logprobs"][0].keys()
+
+    r = httpx.post(f"{url}/v1/completions", json={
+        "model": MODEL, "prompt": "hello", "n": 2, "max_tokens": 3, "ignore_eos": True,
+        "temperature": 0, "logprobs": 1}, timeout=120)
+    r.raise_for_status()
+    legacy = r.json()
+    assert [c["index"] for c in legacy["choices"]] == [0, 1]
+    assert legacy["usage"]["completion_tokens"] == 6
+    lp = legacy["choices"][0]["logprobs"]
+    assert {"text_offset", "token_logprobs", "tokens", "top_logprobs"} <= lp.keys()
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 3
+
+    frames = _stream(url, "hello", include_usage=True, n=2, ignore_eos=True)
+    assert {c["index"] for f in frames for c in f["choices"]} == {0, 1}
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 8
 
 
 @pytest.mark.parametrize("kind", ["sglang", "sim"])
