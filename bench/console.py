@@ -39,7 +39,14 @@ from typing import cast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.invoice_run import MODELS, drop_database, fresh_database, log, rollup_indexes_drop
+from bench.invoice_run import (
+    MODELS,
+    bench_django,
+    drop_database,
+    log,
+    rollup_indexes_drop,
+    rollup_insert,
+)
 
 GOAL_MS = 300
 
@@ -79,13 +86,7 @@ def build(*, models: int, projects: int, keys: int) -> tuple[object, int, int, i
         rebuild = rollup_indexes_drop(cur)
         # hour h, model m, key k: token counts vary by hour and model; amounts are the rated
         # lines at the book's prices (input 1.00, cached 0.10, output 2.00 per 1M tokens)
-        cur.execute("""
-            INSERT INTO usage_rollup_hourly
-                (organization_id, project_id, api_key_id, model, region, service_tier,
-                 capacity_source, currency, hour, requests, error_requests, aborted_requests,
-                 prompt_tokens, cached_tokens, completion_tokens, normalized_tokens, amount,
-                 credits_consumed, cost_to_serve, input_amount, cached_input_amount,
-                 output_amount)
+        cur.execute(rollup_insert("""
             SELECT %s, k.p, k.k, (%s::text[])[m], 'us-east',
                    CASE WHEN h %% 10 = 0 THEN 'priority' ELSE 'default' END, 'on_demand', 'USD',
                    %s::timestamptz + make_interval(hours => h), x.n, (h %% 13 = 0)::int,
@@ -98,7 +99,7 @@ def build(*, models: int, projects: int, keys: int) -> tuple[object, int, int, i
                                    1000 * (1 + (h * 7 + m * 13) %% 97) AS p,
                                    CASE WHEN h %% 2 = 0 THEN 500 * ((h + m) %% 10) ELSE 0 END
                                        AS c,
-                                   300 * (1 + (h * 3 + m) %% 31) AS o) x""",
+                                   300 * (1 + (h * 3 + m) %% 31) AS o) x"""),
                     [org.id, list(MODELS[:models]), first, hours - 1, models,
                      [p for p, _ in key_ids], [k for _, k in key_ids]])
         rows = cur.rowcount
@@ -122,15 +123,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the bench database")
     args = parser.parse_args()
 
-    url = os.environ.get("DATABASE_URL",
-                         "postgres://postgres@127.0.0.1:5432/tollgate_bench_console")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
     t0 = time.perf_counter()
-    fresh_database(url)
-    import django
-
-    django.setup()
+    url = bench_django(os.environ.get(
+        "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tollgate_bench_console"))
     from django.conf import settings
     from django.core.management import call_command
     from django.db import connection

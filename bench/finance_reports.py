@@ -47,10 +47,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.invoice_run import (
     MODELS,
+    bench_django,
     drop_database,
-    fresh_database,
     log,
     rollup_indexes_drop,
+    rollup_insert,
 )
 
 MONTHS = 12
@@ -94,13 +95,7 @@ def build(orgs: int, first: datetime, end: datetime, models: int, hours: int,
         for start in range(lo, hi + 1, slice_orgs):
             stop = min(start + slice_orgs - 1, hi)
             # hour h of day d at 09:00 + 5h * h; token counts and amounts vary by org and hour
-            cur.execute("""
-                INSERT INTO usage_rollup_hourly
-                    (organization_id, project_id, api_key_id, model, region, service_tier,
-                     capacity_source, currency, hour, requests, error_requests,
-                     aborted_requests, prompt_tokens, cached_tokens, completion_tokens,
-                     normalized_tokens, amount, credits_consumed, cost_to_serve,
-                     input_amount, cached_input_amount, output_amount)
+            cur.execute(rollup_insert("""
                 SELECT o.id, o.id, NULL, (%s::text[])[m], 'us-east',
                        CASE WHEN (o.id + d) %% 4 = 0 THEN 'priority' ELSE 'default' END,
                        'on_demand', o.currency,
@@ -117,7 +112,7 @@ def build(orgs: int, first: datetime, end: datetime, models: int, hours: int,
                                        1000 * ((o.id + d) %% 10) * 0.0000001 AS c,
                                        3000 * (1 + (o.id + d * 3 + m) %% 31) * 0.000002 AS o
                                ) x
-                 WHERE o.id BETWEEN %s AND %s""",
+                 WHERE o.id BETWEEN %s AND %s"""),
                         [list(MODELS[:models]), first, days - 1, hours - 1, models, start,
                          stop])
             rows += cur.rowcount
@@ -213,16 +208,10 @@ def main() -> None:
                         help="time the reports on a database kept by --keep")
     args = parser.parse_args()
 
-    url = os.environ.get("DATABASE_URL",
-                         "postgres://postgres@127.0.0.1:5432/tollgate_bench_finance")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
     t0 = time.perf_counter()
-    if not args.reuse:
-        fresh_database(url)
-    import django
-
-    django.setup()
+    url = bench_django(os.environ.get(
+        "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tollgate_bench_finance"),
+        fresh=not args.reuse)
     from django.core.management import call_command
     from django.utils import timezone
 

@@ -36,6 +36,11 @@ MODELS = ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "mistral-7b-instruct",
 PERIOD_START = datetime(2026, 10, 1, tzinfo=UTC)
 PERIOD_END = datetime(2026, 11, 1, tzinfo=UTC)
 
+ROLLUP_COLUMNS = """organization_id, project_id, api_key_id, model, region, service_tier,
+    capacity_source, currency, hour, requests, error_requests, aborted_requests, prompt_tokens,
+    cached_tokens, completion_tokens, normalized_tokens, amount, credits_consumed,
+    cost_to_serve, input_amount, cached_input_amount, output_amount"""
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -52,6 +57,25 @@ def fresh_database(url: str) -> None:
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def rollup_insert(select: str) -> str:
+    """The bulk load of rollups ``select`` gives: every column of ROLLUP_COLUMNS, in order."""
+    # the SQL is this module's constant and the caller's literal: nothing from outside
+    return f"INSERT INTO usage_rollup_hourly ({ROLLUP_COLUMNS}) {select}"
+
+
+def bench_django(url: str, *, fresh: bool = True) -> str:
+    """Point Django at the bench database ``url`` (recreated first where ``fresh``) and set
+    it up; return ``url``."""
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+    if fresh:
+        fresh_database(url)
+    import django
+
+    django.setup()
+    return url
 
 
 def drop_database(url: str) -> None:
@@ -117,13 +141,7 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
         rows = 0
         for start in range(lo, hi + 1, slice_orgs):
             end = min(start + slice_orgs - 1, hi)
-            cur.execute("""
-                INSERT INTO usage_rollup_hourly
-                    (organization_id, project_id, api_key_id, model, region, service_tier,
-                     capacity_source, currency, hour, requests, error_requests,
-                     aborted_requests, prompt_tokens, cached_tokens, completion_tokens,
-                     normalized_tokens, amount, credits_consumed, cost_to_serve,
-                     input_amount, cached_input_amount, output_amount)
+            cur.execute(rollup_insert("""
                 SELECT o, o, NULL, (%s::text[])[m], 'us-east', 'default', 'on_demand', 'USD',
                        %s::timestamptz + make_interval(hours => h),
                        1 + (o + h + m) %% 7, 0, 0,
@@ -134,7 +152,7 @@ def build(orgs: int, days: int, models: int, slice_orgs: int) -> int:
                        ((o * 7 + h * 13 + m * 17) %% 1000) * 0.0001
                   FROM generate_series(%s, %s) AS o,
                        generate_series(0, %s) AS h,
-                       generate_series(1, %s) AS m""",
+                       generate_series(1, %s) AS m"""),
                         [list(MODELS[:models]), PERIOD_START, start, end, days * 24 - 1,
                          models])
             rows += cur.rowcount
@@ -175,14 +193,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the bench database")
     args = parser.parse_args()
 
-    url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tollgate_bench_invoice")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
     t0 = time.perf_counter()
-    fresh_database(url)
-    import django
-
-    django.setup()
+    url = bench_django(os.environ.get(
+        "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tollgate_bench_invoice"))
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)

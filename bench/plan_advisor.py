@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.invoice_run import drop_database, fresh_database, log
+from bench.invoice_run import bench_django, drop_database, log, rollup_insert
 
 PERIOD_START = datetime(2026, 10, 1, tzinfo=UTC)
 PERIOD_END = datetime(2026, 11, 1, tzinfo=UTC)
@@ -113,19 +113,13 @@ def events(org_id: int, project_id: int, n: int, seed: int) -> None:
                 "{}"))
     with connection.cursor() as cur:
         # bench rollups: the events summed per hour (stored amounts are bench data, see above)
-        cur.execute("""
-            INSERT INTO usage_rollup_hourly
-                (organization_id, project_id, api_key_id, model, region, service_tier,
-                 capacity_source, currency, hour, requests, error_requests, aborted_requests,
-                 prompt_tokens, cached_tokens, completion_tokens, normalized_tokens, amount,
-                 credits_consumed, cost_to_serve, input_amount, cached_input_amount,
-                 output_amount)
+        cur.execute(rollup_insert("""
             SELECT organization_id, project_id, NULL, model, region, service_tier,
                    capacity_source, currency, date_trunc('hour', event_time, 'UTC'), count(*),
                    0, count(*) FILTER (WHERE status = 'client_aborted'), sum(prompt_tokens),
                    sum(cached_tokens), sum(completion_tokens), 0, sum(amount), 0, 0,
                    sum(amount), 0, 0
-              FROM usage_event GROUP BY 1, 2, 4, 5, 6, 7, 8, 9""")
+              FROM usage_event GROUP BY 1, 2, 4, 5, 6, 7, 8, 9"""))
         cur.execute("ANALYZE usage_event")
         cur.execute("ANALYZE usage_rollup_hourly")
 
@@ -142,14 +136,8 @@ def main() -> None:
     url = os.environ.get("DATABASE_URL", "")
     if "bench" not in url:
         url = "postgres://postgres@127.0.0.1:5432/tollgate_bench_advisor"
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
     t0 = time.perf_counter()
-    if not args.reuse:
-        fresh_database(url)
-    import django
-
-    django.setup()
+    bench_django(url, fresh=not args.reuse)
     from billing_platform.accounts.models import Organization, Project
 
     if not args.reuse:
