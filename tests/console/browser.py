@@ -21,7 +21,7 @@ from billing_platform.invoicing import services
 from billing_platform.invoicing.models import Invoice
 from plans import services as plan_services
 from tests.console.conftest import CHROMIUM
-from tests.factories import make_billed_org, make_offering, make_price_book
+from tests.factories import MembershipFactory, make_billed_org, make_offering, make_price_book
 from tests.invoicing.conftest import NOV, OCT
 
 T = TypeVar("T")
@@ -39,6 +39,15 @@ SCREENSHOTS = Path(__file__).parent / "screenshots"
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 375, "height": 800}
 
+
+
+def member_who_signs_in(email: str, **factory: Any) -> Any:
+    """A membership (MembershipFactory's, with ``factory``'s fields) whose user, ``email``,
+    signs in with PASSWORD."""
+    member = MembershipFactory(user__email=email, **factory)
+    member.user.set_password(PASSWORD)
+    member.user.save()
+    return member
 
 
 def in_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -25,14 +25,13 @@ from plans import services as plan_services
 from tests.conftest import wait_until
 from tests.console.browser import (
     BROWSER_MARKS,
-    PASSWORD,
     in_thread,
+    member_who_signs_in,
     open_october_invoice,
     shoot,
     sign_in,
     stripe_env,
 )
-from tests.factories import MembershipFactory
 from tests.gateway.conftest import start_gateway, stop_gateway
 
 pytestmark = BROWSER_MARKS
@@ -54,10 +53,7 @@ def billing_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
     plan_services.credit_grant_create(organization=org, kind="promotional", amount="25.00",
                                       expires_at=timezone.now() + timedelta(days=30),
                                       note="welcome credit")
-    owner = MembershipFactory(organization=org, role=Role.OWNER,
-                              user__email="owner@cardco.example.com").user
-    owner.set_password(PASSWORD)
-    owner.save()
+    member_who_signs_in("owner@cardco.example.com", organization=org, role=Role.OWNER)
     celery_worker_process(queues="billing", env=env)
     server = start_gateway(tmp_path, env={**env, **web_env})
     yield server.url, invoice

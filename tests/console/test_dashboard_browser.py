@@ -21,14 +21,14 @@ from tests.conftest import wait_until
 from tests.console.browser import (
     BROWSER_MARKS,
     DESKTOP,
-    PASSWORD,
     create_key,
     in_thread,
+    member_who_signs_in,
     shoot,
     sign_in,
     sign_up,
 )
-from tests.factories import MembershipFactory, ProjectFactory, make_key, make_price_book
+from tests.factories import ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, live_gateway  # noqa: F401 (a fixture)
 
 # F811 below: ``live_gateway`` is the fixture imported above, named as a test's argument
@@ -66,10 +66,7 @@ def dashboard_org():
     make_price_book(prices=[{"model": "dash-model", "input": "2.00", "cached_input": "0.50",
                              "output": "8.00"},
                             {"model": "dash-mini", "input": "1.00", "output": "4.00"}])
-    member = MembershipFactory(user__email="dash@example.com")
-    member.user.set_password(PASSWORD)
-    member.user.save()
-    org = member.organization
+    org = member_who_signs_in("dash@example.com").organization
     project = ProjectFactory(organization=org, name="Web app")
     key, _ = make_key(project, name="server")
     now = datetime.now(UTC)

@@ -22,11 +22,12 @@ from tests.console.browser import (
     BROWSER_MARKS,
     PASSWORD,
     in_thread,
+    member_who_signs_in,
     open_october_invoice,
     sign_in,
     stripe_env,
 )
-from tests.factories import MembershipFactory, make_billed_org
+from tests.factories import make_billed_org
 from tests.finance.conftest import finance_user
 from tests.gateway.conftest import start_gateway, stop_gateway
 from tests.invoicing.conftest import NOV, record
@@ -63,9 +64,7 @@ def finance_world(stripe_settings, localstripe_url, celery_worker_process, tmp_p
            completion_tokens=250_000)
     _user(CONTROLLER_GROUP, "controller@platform.example.com")
     _user(ANALYST_GROUP, "analyst@platform.example.com")
-    member = MembershipFactory(organization=due, user__email="owner@due.example.com")
-    member.user.set_password(PASSWORD)
-    member.user.save()
+    member_who_signs_in("owner@due.example.com", organization=due)
     worker = celery_worker_process(queues="billing", env=env)
     server = start_gateway(tmp_path, env=env)
     yield server.url, paid, intent_id, worker

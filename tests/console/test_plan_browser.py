@@ -18,9 +18,9 @@ from django.utils import timezone
 
 from billing_platform.accounts.choices import Role
 from plans import services
-from tests.console.browser import BROWSER_MARKS, DESKTOP, PASSWORD, shoot, sign_in
+from tests.console.browser import BROWSER_MARKS, DESKTOP, member_who_signs_in, shoot, sign_in
 from tests.console.test_plan_page import _plans
-from tests.factories import MembershipFactory, make_billed_org, make_price_book
+from tests.factories import make_billed_org, make_price_book
 from tests.invoicing.conftest import record
 
 pytestmark = BROWSER_MARKS
@@ -37,9 +37,7 @@ def plan_org():
     services.subscription_create(organization=org, plan=basic, starts_at=now - timedelta(days=2))
     record(org, "r1", now - timedelta(hours=1), model="test-model", prompt_tokens=100,
            completion_tokens=50)
-    member = MembershipFactory(organization=org, role=Role.OWNER, user__email="plan@example.com")
-    member.user.set_password(PASSWORD)
-    member.user.save()
+    member_who_signs_in("plan@example.com", organization=org, role=Role.OWNER)
     return org
 
 

@@ -17,15 +17,15 @@ from metering import events, services
 from tests.console.browser import (
     BROWSER_MARKS,
     DESKTOP,
-    PASSWORD,
     SCREENSHOTS,
     create_key,
     in_thread,
+    member_who_signs_in,
     shoot,
     sign_in,
     sign_up,
 )
-from tests.factories import MembershipFactory, ProjectFactory, make_key, make_price_book
+from tests.factories import ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import (
     drain_usage,
     live_gateway,  # noqa: F401 - the live gateway fixture
@@ -44,10 +44,7 @@ def explorer_org():
     make_price_book(prices=[{"model": "ex-large", "input": "2.00", "cached_input": "0.50",
                              "output": "8.00"},
                             {"model": "ex-small", "input": "0.10", "output": "0.40"}])
-    member = MembershipFactory(user__email="explore@example.com")
-    member.user.set_password(PASSWORD)
-    member.user.save()
-    org = member.organization
+    org = member_who_signs_in("explore@example.com").organization
     web = ProjectFactory(organization=org, name="Web app")
     jobs = ProjectFactory(organization=org, name="Jobs")
     web_key, _ = make_key(web, name="server")
