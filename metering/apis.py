@@ -332,7 +332,9 @@ class UsageApi(APIView):
                     "recorded events. Amounts are per currency, in the price book's currency. "
                     "One request sums at most `TOLLGATE_USAGE_MAX_RANGE_DAYS` days (366 by "
                     "default; `usage_range_too_large`), answers at most "
-                    "`TOLLGATE_USAGE_MAX_GROUPS` groups (10,000; `usage_too_many_groups`) and "
+                    "`TOLLGATE_USAGE_MAX_GROUPS` groups (10,000; `usage_too_many_groups`), sums "
+                    "at most `TOLLGATE_USAGE_MAX_EVENT_RANGE_DAYS` days (31) when grouped by "
+                    "`user` (read from the events: the rollups do not keep it) and "
                     "takes at most `TOLLGATE_USAGE_MAX_FILTER_VALUES` values per filter (100; "
                     "`too_many_values`); beyond a bound it answers 400 saying which.",
     )

@@ -52,3 +52,48 @@ def test_a_bad_end_user_is_refused_naming_the_field(tenant, value):
     with pytest.raises(InvalidRequest) as info:
         events.normalize(tenant.event("req-bad-user", end_user=value))
     assert info.value.param == "end_user"
+
+
+def test_sums_by_user_equal_the_rollups_sums_whatever_else_is_grouped(tenant):
+    from datetime import UTC, datetime, timedelta
+
+    from metering.recording import record_events
+    from metering.selectors import UsageFilter, usage_summary
+
+    # given events of several end users, two projects, three hours and every status
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    batch = []
+    for i in range(24):
+        batch.append(events.normalize(tenant.event(
+            f"req-g{i}", end_user=["alice", "bob", None][i % 3],
+            project_id=(tenant.project if i % 2 else tenant.project2).id,
+            api_key_id=(tenant.key if i % 2 else tenant.key2).id,
+            status=["ok", "ok", "engine_error", "client_aborted"][i % 4],
+            completion_tokens=10 + i, event_time=hour + timedelta(hours=i % 3, minutes=i))))
+    record_events(batch, origin="api")
+    window = UsageFilter(org_id=tenant.org.id, start=hour, end=hour + timedelta(hours=3))
+    sums = ("requests", "error_requests", "aborted_requests", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "normalized_tokens", "amount", "credits_consumed")
+
+    def totals(buckets):
+        return {s: sum(getattr(b, s) for b in buckets) for s in sums}
+
+    # when usage is read by user (from the events) and by project and hour (from the rollups)
+    by_user = usage_summary(usage_filter=window, group_by=("user", "project", "hour"))
+    by_rollup = usage_summary(usage_filter=window, group_by=("project", "hour"))
+
+    # then the user groups add up to the rollups' sums exactly, and each group is its events'
+    assert totals(by_user) == totals(by_rollup)
+    assert totals(by_user)["requests"] == 24 and totals(by_user)["error_requests"] == 6
+    assert totals(by_user)["aborted_requests"] == 6
+    alice = [b for b in by_user if b.group["user"] == "alice"]
+    assert sum(b.completion_tokens for b in alice) == sum(10 + i for i in range(0, 24, 3))
+    assert {b.group["project"] for b in by_user} == {tenant.project.public_id,
+                                                      tenant.project2.public_id}
+    # a filter applies to the events as to the rollups
+    only = usage_summary(usage_filter=UsageFilter(
+        org_id=tenant.org.id, start=window.start, end=window.end,
+        project_ids=(tenant.project.id,)), group_by=("user",))
+    assert totals(only) == totals(usage_summary(usage_filter=UsageFilter(
+        org_id=tenant.org.id, start=window.start, end=window.end,
+        project_ids=(tenant.project.id,))))
