@@ -18,7 +18,8 @@ and ``MessagesSurface`` words the answer as Anthropic does:
 
 Accepted: ``model``, ``max_tokens`` (required, as Anthropic requires it), ``messages`` (user
 and assistant turns, text content), ``system`` (a string or text blocks), ``stop_sequences``,
-``temperature``, ``top_p``, ``top_k``, ``stream``, ``metadata``, ``service_tier``. Refused with
+``temperature``, ``top_p``, ``top_k``, ``stream``, ``metadata`` (its ``user_id`` is the end
+user stored on the usage event, as ``user`` is on chat), ``service_tier``. Refused with
 a clear message: content blocks other than text (images, documents, tool use and results),
 ``tools``/``tool_choice``, ``thinking`` and any unknown field.
 """
@@ -115,6 +116,12 @@ def chat_body(body: Any) -> dict[str, Any]:
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or set(metadata) - {"user_id"}:
+            raise InvalidRequest("metadata: only user_id is accepted.")
+        if metadata.get("user_id") is not None:
+            out["user"] = metadata["user_id"]  # the end user, stored on the usage event
     if body.get("stream") is not None:
         out["stream"] = body["stream"]
         if body["stream"] is True:  # the engine's counts come in its last chunk

@@ -56,7 +56,8 @@ class Served:
 
 # What every model the fleet serves answers (the engines are chat models; the Batch API runs
 # their lines). An embedding pool would list its own.
-MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/batches")
+MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                   "/v1/batches")
 
 
 @dataclass(frozen=True)

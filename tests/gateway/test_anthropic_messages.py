@@ -22,7 +22,7 @@ def test_message_usage_equals_the_stored_event_and_is_rated(live_gateway):
     client = _client(live_gateway, secret)
 
     raw = client.messages.with_raw_response.create(
-        model="small", max_tokens=7, system="You are terse.",
+        model="small", max_tokens=7, system="You are terse.", metadata={"user_id": "alice"},
         messages=[{"role": "user", "content": "Say hi"}])
     message = raw.parse()
 
@@ -35,6 +35,7 @@ def test_message_usage_equals_the_stored_event_and_is_rated(live_gateway):
             message.usage.cache_read_input_tokens, message.usage.output_tokens) == (
         event.prompt_tokens, event.cached_tokens, event.completion_tokens)
     assert event.status == "ok" and event.api_key_id == key.pk and event.amount > 0
+    assert event.end_user == "alice"  # metadata.user_id: the end user, as chat's user
 
     # a repeated long prompt: the engine's cached tokens are read apart from the input
     for _ in range(2):

@@ -127,7 +127,9 @@ def test_sdk_runs_5000_lines_on_the_simulator(stack, celery_worker_process):
     # given a worker on the batch queue and a 5,000-line file
     celery_worker_process(queues="batch", beat=True, env=stack.env)
     client = stack.client()
-    file_id = upload(client, [request_line(i) for i in range(5000)])
+    lines = [request_line(i) for i in range(5000)]
+    lines[7]["body"]["user"] = "end-user-7"  # a reseller's end user, stored on its event
+    file_id = upload(client, lines)
 
     # when the batch is created and polled
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
@@ -147,6 +149,8 @@ def test_sdk_runs_5000_lines_on_the_simulator(stack, celery_worker_process):
     events = batch_events(batch.id, 5000)
     assert len(events) == 5000
     assert {e.service_tier for e in events} == {"batch"}
+    assert {e.end_user for e in events} == {None, "end-user-7"}
+    assert [e.end_user for e in events if e.end_user] == ["end-user-7"]
     by_id = {r["response"]["request_id"]: r["response"]["body"]["usage"] for r in rows}
     assert all(by_id[e.request_id]["completion_tokens"] == e.completion_tokens
                and by_id[e.request_id]["prompt_tokens"] == e.prompt_tokens for e in events)

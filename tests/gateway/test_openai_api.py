@@ -178,7 +178,8 @@ def test_models_list_only_priced_models_with_when_they_were_first_priced(live_ga
         assert "unpriced" not in listed and "small" in listed
         assert listed["small"].created == int(PRICES_FROM.timestamp())
         assert listed["small"].model_extra["endpoints"] == [
-            "/v1/chat/completions", "/v1/completions", "/v1/batches"]
+            "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+            "/v1/batches"]
         assert client.models.retrieve("small").created == listed["small"].created
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve("unpriced")

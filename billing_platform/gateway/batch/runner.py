@@ -132,7 +132,8 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
                            error={"code": "engine_error", "message": message})
     body = openai_body(call, kind=req.kind, request_id=line.request_id, tier="batch")
     event = usage_event(principal=principal, request_id=line.request_id, model=req.model,
-                        tier="batch", engine=call.tried[-1], result=result, started=started)
+                        tier="batch", engine=call.tried[-1], result=result, started=started,
+                        user=req.user)
     event["batch_id"] = batch.public_id
     return LineOutcome(line.id, status_code=200, response=body, usage=event)
 
