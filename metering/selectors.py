@@ -118,8 +118,12 @@ def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = (),
         qs = qs.annotate(day=TruncDay("hour", tzinfo=UTC))
     values = [*names.values(), "currency"]
     rows = qs.values(*values).annotate(**{f"s_{s}": Sum(s) for s in SUMS}).order_by(*values)
-    if limit is not None:
-        rows = rows[:limit]
+    return _buckets(rows if limit is None else rows[:limit], names)
+
+
+def _buckets(rows: Iterable[dict[str, Any]], names: Mapping[str, str]) -> list[UsageBucket]:
+    """Return summed rows (``s_<sum>`` per SUMS, the group's expressions) as buckets: the
+    group named as asked (a day as a date), int counts and Decimal amounts (0 for none)."""
     out = []
     for row in rows:
         group = {}
@@ -128,7 +132,6 @@ def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = (),
             if name == "day" and value is not None:
                 value = value.date()
             group[name] = value
-        # the SUMS: int counts, Decimal amounts (0 where a group has no row)
         sums: dict[str, Any] = {
             s: row[f"s_{s}"] or (Decimal("0") if s in ("amount", "credits_consumed") else 0)
             for s in SUMS}
@@ -165,21 +168,7 @@ def _event_summary(f: UsageFilter, group_by: tuple[str, ...], limit: int | None
         s_aborted_requests=Count("id", filter=~Q(status__in=("ok", "engine_error"))),
         **{f"s_{s}": Sum(s) for s in SUMS if not s.endswith("requests")},
     ).order_by(*values)
-    if limit is not None:
-        rows = rows[:limit]
-    out = []
-    for row in rows:
-        group = {}
-        for name, expr in names.items():
-            value = row[expr]
-            if name == "day" and value is not None:
-                value = value.date()
-            group[name] = value
-        sums: dict[str, Any] = {
-            s: row[f"s_{s}"] or (Decimal("0") if s in ("amount", "credits_consumed") else 0)
-            for s in SUMS}
-        out.append(UsageBucket(group=group, currency=row["currency"], **sums))
-    return out
+    return _buckets(rows if limit is None else rows[:limit], names)
 
 
 def usage_event_get(*, org_id: int, request_id: str) -> UsageEvent | None:

@@ -749,7 +749,30 @@ class _ChoicesRenderer:
                 "metadata": {"weight_version": "default"}}
 
 
-class _ChoicesCall:
+class _Watched:
+    """An ASGI response whose work (``_run``) is cancelled when the client goes away."""
+
+    async def _run(self, send: Send) -> None:
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._run(send))
+        watch = asyncio.create_task(_watch_disconnect(receive))
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            # The client went away: cancelling closes the engine iterator, which frees the slot.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await work
+            return
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        with contextlib.suppress(OSError):  # the client left while the last bytes went out
+            work.result()
+
+
+class _ChoicesCall(_Watched):
     """ASGI response that runs a body's choices side by side, aborting them all when the
     client goes away; a stream interleaves their tokens as they come, as SGLang's does."""
 
@@ -760,20 +783,6 @@ class _ChoicesCall:
         self.stream = stream
         self.include_usage = include_usage
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.create_task(self._run(send))
-        watch = asyncio.create_task(_watch_disconnect(receive))
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await work
-            return
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-        with contextlib.suppress(OSError):
-            work.result()
 
     async def _run(self, send: Send) -> None:
         renderer = self.renderer
@@ -855,7 +864,7 @@ class _NativeRenderer:
         return self._body(True)
 
 
-class _EngineCall:
+class _EngineCall(_Watched):
     """ASGI response that runs one request, aborting it when the client goes away."""
 
     def __init__(
@@ -873,21 +882,6 @@ class _EngineCall:
         self.stream_chunks = stream_chunks
         self.include_usage = include_usage
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.create_task(self._run(send))
-        watch = asyncio.create_task(_watch_disconnect(receive))
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            # The client went away: cancelling closes the engine iterator, which frees the slot.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await work
-            return
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-        with contextlib.suppress(OSError):  # the client left while the last bytes went out
-            work.result()
 
     async def _run(self, send: Send) -> None:
         fail_after = self.engine.faults.fail_after_tokens
