@@ -122,11 +122,21 @@ class EngineClient:
         if priority is not None:
             body["priority"] = priority
         if request_id:
-            body["rid"] = request_id
+            body["rid"] = _rid(path, body, request_id)
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         return EngineCall(self, model=model, path=path, body=body, namespace=namespace,
                           prompt_text=prompt_text, allowed_regions=allowed_regions)
+
+
+def _rid(path: str, body: dict[str, Any], request_id: str) -> str | list[str]:
+    """Return the engine ``rid`` of a request: SGLang takes an embeddings body with a list of
+    inputs only with one rid per input (a single string fails it with a 500)."""
+    inputs = body.get("input")
+    if path == "/v1/embeddings" and isinstance(inputs, list) and inputs and not isinstance(
+            inputs[0], int):
+        return [f"{request_id}-{i}" for i in range(len(inputs))]
+    return request_id
 
 
 class EngineCall:

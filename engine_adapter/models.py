@@ -27,6 +27,9 @@ class Pool(models.Model):
     extra_args = models.JSONField(default=list, blank=True)
     external_urls = models.JSONField(default=list, blank=True)
     max_total_tokens = models.PositiveIntegerField(default=8192)
+    vocab_size = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="The model's vocabulary; token-id input is refused when unknown.")
     in_spec = models.BooleanField(default=True, help_text="False once removed from the spec.")
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -51,7 +51,8 @@ class Fleet:
         started = time.monotonic()  # the view is as old as the read's start
         snap = fleet_snapshot()
         self.zones = zone_regions()
-        self.router.set_engines(snap.engines, healthy=snap.healthy, offered=snap.offered)
+        self.router.set_engines(snap.engines, healthy=snap.healthy, offered=snap.offered,
+                                traits=snap.traits)
         for engine_id, load in snap.loads.items():
             self.router.observe_load(engine_id, load)
         self._refreshed = started

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, NoCapacity
+from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, ModelTraits, NoCapacity
 
 BLOCK_CHARS = 64  # ~16 tokens per block: fine enough for system prompts, cheap to hash
 POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -94,6 +94,7 @@ class Router:
         self._lock = threading.Lock()
         self._engines: dict[str, EngineInfo] = {}
         self._offered: dict[str, set[str]] = {}  # model -> regions it is offered in
+        self._traits: dict[str, ModelTraits] = {}
         self._healthy: set[str] = set()
         self._inflight: dict[str, int] = {}
         self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
@@ -106,11 +107,14 @@ class Router:
 
     def set_engines(self, engines: Iterable[EngineInfo], *,
                     healthy: Iterable[str] | None = None,
-                    offered: Mapping[str, Iterable[str]] | None = None) -> None:
-        """Replace the known engines (all healthy unless ``healthy`` names a subset) and
-        where each model is offered (``offered``: model -> regions, whether or not an engine
-        runs there; the engines' own models and regions are always offered)."""
+                    offered: Mapping[str, Iterable[str]] | None = None,
+                    traits: Mapping[str, ModelTraits] | None = None) -> None:
+        """Replace the known engines (all healthy unless ``healthy`` names a subset), where
+        each model is offered (``offered``: model -> regions, whether or not an engine runs
+        there; the engines' own models and regions are always offered) and what each model
+        is (``traits``; a model not named there is a chat model with no known vocabulary)."""
         with self._lock:
+            self._traits = dict(traits or {})
             engines = list(engines)
             self._engines = {e.engine_id: e for e in engines}
             self._healthy = set(healthy) if healthy is not None else set(self._engines)
@@ -135,6 +139,10 @@ class Router:
     def models(self) -> set[str]:
         """Return the models offered somewhere (their engines may all be down)."""
         return {model for model, regions in self._offered.items() if regions}
+
+    def traits(self, model: str) -> ModelTraits:
+        """Return what ``model`` is (an embedding model or not, its vocabulary if known)."""
+        return self._traits.get(model, ModelTraits())
 
     def regions_of(self, model: str) -> set[str]:
         """Return the regions ``model`` is offered in (their engines may all be down)."""

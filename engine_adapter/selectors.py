@@ -11,7 +11,13 @@ from decimal import Decimal
 
 from engine_adapter.choices import EngineStatus
 from engine_adapter.models import EngineCounterSample, EngineInstance, Pool
-from engine_adapter.types import COUNTER_FIELDS, EngineCounters, EngineInfo, EngineLoad
+from engine_adapter.types import (
+    COUNTER_FIELDS,
+    EngineCounters,
+    EngineInfo,
+    EngineLoad,
+    ModelTraits,
+)
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,7 @@ class FleetSnapshot:
     healthy: set[str]
     loads: dict[str, EngineLoad]
     offered: dict[str, set[str]]  # model -> regions of its pools in the spec, engines or not
+    traits: dict[str, ModelTraits]  # model -> what it is (embedding, vocabulary)
 
 
 def fleet_snapshot() -> FleetSnapshot:
@@ -38,7 +45,7 @@ def fleet_snapshot() -> FleetSnapshot:
         if inst.status == EngineStatus.HEALTHY:
             healthy.add(inst.engine_id)
         loads[inst.engine_id] = EngineLoad.from_metrics(inst.load or {})
-    return FleetSnapshot(engines, healthy, loads, served_models())
+    return FleetSnapshot(engines, healthy, loads, served_models(), model_traits())
 
 
 def zone_regions(*, in_spec_only: bool = True) -> dict[str, set[str]]:
@@ -57,6 +64,23 @@ def served_models() -> dict[str, set[str]]:
     for model, region in Pool.objects.filter(in_spec=True).values_list("model", "region"):
         models.setdefault(model, set()).add(region)
     return models
+
+
+def model_traits() -> dict[str, ModelTraits]:
+    """Return what each served model is, from its pools in the spec: an embedding model when
+    its pools launch with ``--is-embedding`` (the spec keeps a model's pools alike), and the
+    smallest vocabulary its pools declare (None when one declares none)."""
+    rows: dict[str, list[tuple[bool, int | None]]] = {}
+    for model, extra_args, vocab in Pool.objects.filter(in_spec=True).values_list(
+            "model", "extra_args", "vocab_size"):
+        rows.setdefault(model, []).append(("--is-embedding" in (extra_args or ()), vocab))
+    traits = {}
+    for model, pools in rows.items():
+        vocabs = [vocab for _, vocab in pools]
+        traits[model] = ModelTraits(
+            embedding=any(embedding for embedding, _ in pools),
+            vocab_size=None if None in vocabs else min(v for v in vocabs if v is not None))
+    return traits
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def fleet_sync_spec(*, spec: FleetSpec, sim_only: bool = False) -> list[Pool]:
             "gpus_per_replica": p.gpus_per_replica, "replicas": p.replicas, "launch": launch,
             "engine_python": p.engine_python, "extra_args": list(p.extra_args),
             "external_urls": list(p.external_urls), "max_total_tokens": p.max_total_tokens,
-            "in_spec": True,
+            "vocab_size": p.vocab_size, "in_spec": True,
         })
         pools.append(pool)
     Pool.objects.exclude(name__in=[p.name for p in spec.pools]).update(in_spec=False)

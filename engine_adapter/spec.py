@@ -30,6 +30,12 @@ class PoolSpec:
     extra_args: tuple[str, ...] = ()
     external_urls: tuple[str, ...] = ()
     max_total_tokens: int = 8192
+    vocab_size: int | None = None
+
+    @property
+    def is_embedding(self) -> bool:
+        """Whether its engines serve embeddings (SGLang's ``--is-embedding``)."""
+        return "--is-embedding" in self.extra_args
 
 
 @dataclass(frozen=True)
@@ -78,5 +84,22 @@ def load_spec(path: Path | str) -> FleetSpec:
             extra_args=tuple(str(a) for a in p.get("extra_args", ())),
             external_urls=tuple(p.get("external_urls", ())),
             max_total_tokens=int(p.get("max_total_tokens", 8192)),
+            vocab_size=_vocab_size(p.get("vocab_size"), where),
         ))
+    kinds: dict[str, set[bool]] = {}
+    for pool in pools:
+        kinds.setdefault(pool.model, set()).add(pool.is_embedding)
+    for model, seen_kinds in kinds.items():
+        if len(seen_kinds) > 1:
+            raise SpecError(f"{path}: model {model!r} has pools with and without "
+                            "--is-embedding; every pool of a model must serve it alike")
     return FleetSpec(regions=dict(regions), pools=pools)
+
+
+def _vocab_size(value: object, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(f"{where}: vocab_size must be a positive integer (the model's "
+                        "vocabulary: token ids a client sends must be below it)")
+    return value

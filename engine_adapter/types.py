@@ -25,6 +25,20 @@ class EngineInfo:
     max_total_tokens: int = 8192
 
 
+@dataclass(frozen=True)
+class ModelTraits:
+    """What a served model is, from its pools in the spec.
+
+    ``embedding``: its engines run with SGLang's ``--is-embedding`` and answer /v1/embeddings
+    only. ``vocab_size`` (the spec's, when it gives one): the bound of the token ids a client
+    may send in place of text. SGLang does not check input ids against the vocabulary, and an
+    id past it fails the engine's forward pass, so with no bound known only text is taken.
+    """
+
+    embedding: bool = False
+    vocab_size: int | None = None
+
+
 @dataclass
 class EngineLoad:
     """Scraped load of one engine (from its /metrics), refreshed by the health loop."""

@@ -33,7 +33,7 @@ from billing_platform.gateway.responses import (
     inference_request,
     parse_responses,
 )
-from billing_platform.gateway.validation import parse_chat, parse_completion
+from billing_platform.gateway.validation import parse_chat, parse_completion, parse_embeddings
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 from plans import concurrency
@@ -138,6 +138,15 @@ async def chat_completions(request: GatewayRequest, principal: KeyPrincipal,
 async def completions(request: GatewayRequest, principal: KeyPrincipal,
                       request_id: str) -> HttpResponse:
     req = parse_completion(_json_body(request))
+    return await _respond(request, await services.serve(principal=principal, req=req,
+                                                        request_id=request_id))
+
+
+@openai_endpoint()
+async def embeddings(request: GatewayRequest, principal: KeyPrincipal,
+                     request_id: str) -> HttpResponse:
+    """OpenAI's embeddings, served by the fleet's embedding pools (``--is-embedding``)."""
+    req = parse_embeddings(_json_body(request))
     return await _respond(request, await services.serve(principal=principal, req=req,
                                                         request_id=request_id))
 

@@ -1,13 +1,15 @@
 """The one request pipeline: the rules every inference request passes, interactive or batch.
 
-Whatever wire shape a request came in (chat and completions today; Responses, embeddings and
-Messages when they come) and whoever sends it (``services.serve`` for /v1, the batch runner for
+Whatever wire shape a request came in (chat, completions, embeddings; Responses and Messages
+ride on chat) and whoever sends it (``services.serve`` for /v1, the batch runner for
 a batch line), the same rules decide where it runs, how much it may generate and what it may
 spend, and they are written only here:
 
 - placement: the model exists, the key may use it, it is offered in the caller's data zone and
   has a price in force, and the key's and project's residency narrowing leaves a region that
-  serves it; otherwise ``model_not_found``, in the same words whatever the reason;
+  serves it; otherwise ``model_not_found``, in the same words whatever the reason; and it is
+  the kind the endpoint needs (an embedding model for embeddings, a generating one otherwise:
+  ``unsupported_model``, said only once the caller may see the model at all);
 - the output bound: ONE number per request, what the client asked or
   ``TOLLGATE_DEFAULT_MAX_TOKENS``; the engine is sent it and admission reserves it;
 - admission: one atomic reservation under the caller's quota policy, narrowed per tier;
@@ -62,7 +64,9 @@ log = logging.getLogger(__name__)
 # below flex, the lowest of all, so interactive traffic always has the engines first.
 ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10, "batch": -20}
 # The engine endpoint of each request kind.
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+         "embedding": "/v1/embeddings"}
+KINDS = {path: kind for kind, path in PATHS.items()}  # a batch's endpoint -> its kind
 
 
 @dataclass(frozen=True)
@@ -87,13 +91,15 @@ def model_not_found(model: str) -> NotFound:
                     code="model_not_found", param="model")
 
 
-async def placement_resolve(*, principal: KeyPrincipal, model: str) -> Placement:
+async def placement_resolve(*, principal: KeyPrincipal, model: str, kind: str) -> Placement:
     """Return where the caller's request for ``model`` may run and its policy, or raise NotFound.
 
     NotFound for a model that does not exist, that the key may not use, that is offered only
     in other zones or outside the key's and project's regions (all in the same words), or that
     has no price in force. A model offered there whose engines are all down is not refused
     here: the engine call answers a retryable 503, and nothing runs outside the placement.
+
+    ``kind`` is the request's (``PATHS``): an embedding model serves only embeddings.
 
     Nothing is served that cannot be billed: rating needs a price for every event (on demand,
     token plan and provisioned alike), so an unpriced model's events would be dead-lettered
@@ -118,6 +124,14 @@ async def placement_resolve(*, principal: KeyPrincipal, model: str) -> Placement
             regions & policy.allowed_regions)
         if not served & regions:
             raise model_not_found(model)
+    embedding = fleet.router.traits(model).embedding
+    if embedding != (kind == "embedding"):
+        raise NotFound(
+            f"The model '{model}' is an embedding model: call POST /v1/embeddings with it."
+            if embedding else
+            f"The model '{model}' does not create embeddings; use an embedding model (GET "
+            "/v1/models lists each model's endpoints).", code="unsupported_model",
+            param="model")
     return Placement(regions=regions, policy=policy)
 
 
@@ -211,11 +225,28 @@ async def request_settle(ticket: quota.Ticket | None, result: CallResult | None)
         log.warning("settlement of %s failed: %r", ticket.request_id, exc)
 
 
-def engine_failure(exc: EngineError, *, headers: dict[str, str] | None = None) -> DomainError:
-    """Return the domain error of an engine call that failed before any output."""
+def refusal(exc: EngineBadRequest, req: InferenceRequest) -> tuple[str, str | None]:
+    """Return the message and param of an engine's refusal of ``req`` for its caller.
+
+    The engine's own words, except where they name what is the deployment's business: SGLang
+    refuses ``dimensions`` naming the model's path on disk.
+    """
+    if req.kind == "embedding" and "dimensions" in req.engine_body and (
+            "dimension" in str(exc) or "matryoshka" in str(exc)):
+        return (f"The model '{req.model}' cannot return embeddings of "
+                f"{req.engine_body['dimensions']} dimensions (it does not shorten its vectors, "
+                "or not to that length); leave out 'dimensions' or ask for fewer.",
+                "dimensions")
+    return str(exc), exc.param
+
+
+def engine_failure(exc: EngineError, *, req: InferenceRequest,
+                   headers: dict[str, str] | None = None) -> DomainError:
+    """Return the domain error of an engine call for ``req`` that failed before any output."""
     message = str(exc)
     if isinstance(exc, EngineBadRequest):
-        return InvalidRequest(message, code=exc.code, param=exc.param, headers=headers)
+        message, param = refusal(exc, req)
+        return InvalidRequest(message, code=exc.code, param=param, headers=headers)
     if isinstance(exc, ModelNotServed):
         return NotFound(message, code=exc.code, headers=headers)
     if isinstance(exc, NoCapacity):

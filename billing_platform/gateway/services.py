@@ -24,7 +24,7 @@ from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import RateLimited
 from billing_platform.gateway import pipeline
 from billing_platform.gateway.db_connections import in_thread
-from billing_platform.gateway.validation import InferenceRequest
+from billing_platform.gateway.validation import InferenceRequest, check_token_ids
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
 from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
@@ -54,10 +54,11 @@ class Served:
     close: Callable[[], Awaitable[None]] | None = None
 
 
-# What every model the fleet serves answers (the engines are chat models; the Batch API runs
-# their lines). An embedding pool would list its own.
+# What a generating model answers (the Batch API runs its chat and completion lines), and
+# what an embedding model does.
 MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                    "/v1/batches")
+EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/v1/batches")
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ async def models_for(principal: KeyPrincipal) -> list[OfferedModel]:
             priced.append((policy.pricing.version_id, model))
     first = await _first_priced(priced)
     never = datetime.fromtimestamp(0, UTC)  # (a priced model always has a first price)
-    return [OfferedModel(model, first.get(model, never)) for _, model in priced]
+    return [OfferedModel(model, first.get(model, never),
+                         EMBEDDING_ENDPOINTS if fleet.router.traits(model).embedding
+                         else MODEL_ENDPOINTS) for _, model in priced]
 
 
 async def rate_headers_now(principal: KeyPrincipal) -> dict[str, str]:
@@ -137,8 +140,21 @@ def _object_id(kind: str, request_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
 
 
-def openai_body(call: EngineCall, *, kind: str, request_id: str, tier: str) -> dict[str, Any]:
+def embeddings_body(call: EngineCall, *, model: str) -> dict[str, Any]:
+    """Return an engine's embeddings answer in OpenAI's shape: the vectors as the engine
+    encoded them (floats or base64), the model as the caller named it (SGLang names its
+    path), and the usage from the engine's count."""
+    result = call.result
+    prompt = result.prompt_tokens if result else 0
+    return {"object": "list", "data": (call.body or {}).get("data", []), "model": model,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+
+
+def openai_body(call: EngineCall, *, kind: str, request_id: str, tier: str,
+                model: str = "") -> dict[str, Any]:
     """Return a finished non-streaming engine answer in OpenAI's shape (our id, tier, usage)."""
+    if kind == "embedding":
+        return embeddings_body(call, model=model)
     body = call.body or {}
     body.update(id=_object_id(kind, request_id), service_tier=tier,
                 usage=openai_usage(call.result))
@@ -161,7 +177,8 @@ class Surface:
     def body(self, call: EngineCall, req: InferenceRequest, request_id: str, tier: str
              ) -> dict[str, Any]:
         """A finished (non-streaming) answer."""
-        return openai_body(call, kind=req.kind, request_id=request_id, tier=tier)
+        return openai_body(call, kind=req.kind, request_id=request_id, tier=tier,
+                           model=req.model)
 
     async def frames(self, call: EngineCall, req: InferenceRequest, tier: str,
                      object_id: str) -> AsyncIterator[bytes]:
@@ -289,7 +306,9 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     ``surface`` words the answer (OpenAI's when None)."""
     surface = surface or Surface()
     started = datetime.now(tz=UTC)
-    placement = await pipeline.placement_resolve(principal=principal, model=req.model)
+    placement = await pipeline.placement_resolve(principal=principal, model=req.model,
+                                                 kind=req.kind)
+    check_token_ids(req, get_fleet().router.traits(req.model).vocab_size)
     tier = _serving_tier(req, placement.regions)
     ticket = await pipeline.request_admit(
         pipeline.admission_policy(placement.policy, tier=tier, regions=placement.regions),
@@ -308,11 +327,11 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
         # Offered here, but no engine of it is up in the allowed regions: retry, never
         # served elsewhere.
         await pipeline.request_settle(ticket, None)
-        raise pipeline.engine_failure(exc, headers={"retry-after": NO_CAPACITY_RETRY_S,
-                                                    **rate_headers}) from exc
+        raise pipeline.engine_failure(exc, req=req, headers={
+            "retry-after": NO_CAPACITY_RETRY_S, **rate_headers}) from exc
     except EngineError as exc:
         await accounting.failed_before_output(call.tried[-1] if call.tried else None)
-        raise pipeline.engine_failure(exc, headers=dict(rate_headers)) from exc
+        raise pipeline.engine_failure(exc, req=req, headers=dict(rate_headers)) from exc
     except BaseException:
         await pipeline.request_settle(ticket, None)
         raise

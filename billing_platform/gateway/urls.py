@@ -8,6 +8,7 @@ from billing_platform.gateway.batch import apis as batch_apis
 urlpatterns = [
     path("chat/completions", apis.chat_completions, name="v1-chat-completions"),
     path("completions", apis.completions, name="v1-completions"),
+    path("embeddings", apis.embeddings, name="v1-embeddings"),
     path("messages", apis.messages, name="v1-messages"),
     path("responses", apis.responses, name="v1-responses"),
     path("responses/<str:response_id>", apis.response_detail, name="v1-response"),

@@ -69,7 +69,7 @@ TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 @dataclass(frozen=True)
 class InferenceRequest:
-    kind: str                   # "chat" | "completion"
+    kind: str                   # "chat" | "completion" | "embedding"
     model: str
     stream: bool
     include_usage: bool
@@ -266,3 +266,91 @@ def parse_completion(body: Any) -> InferenceRequest:
                             common.tier, prompt, engine_body,
                             prompt_bound=prompt_token_bound(prompt, 1) + extra,
                             max_output=common.n * per_choice, n=common.n, user=common.user)
+
+
+# OpenAI takes at most 2048 inputs in one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+EMBEDDING_FIELDS = frozenset({"input", "encoding_format", "dimensions"})
+ENCODING_FORMATS = ("float", "base64")
+
+
+def _embedding_input(value: Any) -> tuple[list[str], list[list[int]]]:
+    """Return an embeddings body's inputs: its texts, or its token-id arrays (one kind)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' must be a non-empty string, an array of strings, an "
+                             "array of token ids or an array of token-id arrays.",
+                             param="input")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(f"'input' has {len(value)} items; at most "
+                             f"{MAX_EMBEDDING_INPUTS} may be embedded in one request.",
+                             param="input")
+    if all(isinstance(item, str) for item in value):
+        for i, item in enumerate(value):
+            if not item.strip():
+                raise InvalidRequest(f"'input[{i}]' is empty; every input must have text.",
+                                     param=f"input[{i}]")
+        return value, []
+    arrays = []
+    for i, item in enumerate(value):
+        if not isinstance(item, list) or not item or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item):
+            raise InvalidRequest(f"'input[{i}]' must be a string when the first input is, "
+                                 "or a non-empty array of non-negative token ids.",
+                                 param=f"input[{i}]")
+        arrays.append(item)
+    return [], arrays
+
+
+def parse_embeddings(body: Any) -> InferenceRequest:
+    """Validate an embeddings body: texts or token-id arrays, ``encoding_format``,
+    ``dimensions`` (the engine says whether the model can shorten its vectors) and ``user``.
+
+    The prompt bound is every input's (a text's bytes and its special tokens; an array's
+    length); nothing is generated, so nothing is reserved for output. Token ids are checked
+    against the model's vocabulary when the request is placed (``check_token_ids``).
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    for name in body:
+        if name not in EMBEDDING_FIELDS and name not in ("model", "user") and (
+                name not in DROPPED):
+            raise InvalidRequest(f"Unknown parameter: '{name}'.", param=name,
+                                 code="unknown_parameter")
+    common = _common(body)
+    engine_body = {name: body[name] for name in ("encoding_format", "dimensions")
+                   if body.get(name) is not None}
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ENCODING_FORMATS:
+        raise InvalidRequest(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}.",
+                             param="encoding_format")
+    dims = body.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise InvalidRequest("'dimensions' must be a positive integer.", param="dimensions")
+    texts, arrays = _embedding_input(body.get("input"))
+    engine_body["input"] = texts if texts else arrays
+    bound = (sum(prompt_token_bound(text, 1) for text in texts)
+             + sum(len(ids) for ids in arrays))
+    return InferenceRequest("embedding", common.model, False, False, common.tier,
+                            "\n".join(texts), engine_body, prompt_bound=bound, max_output=0,
+                            user=common.user)
+
+
+def check_token_ids(req: InferenceRequest, vocab_size: int | None) -> None:
+    """Refuse token-id input the model's engines cannot read: any, when the fleet does not
+    know the model's vocabulary (SGLang does not check ids, and one past the vocabulary
+    fails the engine), else ids at or past it."""
+    arrays = req.engine_body.get("input") if req.kind == "embedding" else None
+    if not arrays or isinstance(arrays[0], str):
+        return
+    if vocab_size is None:
+        raise InvalidRequest(f"The model '{req.model}' takes text input only here: send "
+                             "'input' as strings.", param="input")
+    for i, ids in enumerate(arrays):
+        if max(ids) >= vocab_size:
+            raise InvalidRequest(f"'input[{i}]' has token id {max(ids)}; the model's "
+                                 f"vocabulary has {vocab_size} (ids 0 to {vocab_size - 1}).",
+                                 param=f"input[{i}]")

@@ -20,9 +20,14 @@ the scheduling logic it serves lives in ``engine.py``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import logging
+import math
+import random
+import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -120,6 +125,48 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return list(value)
 
 
+def _embedding_inputs(value: Any) -> list[list[int]]:
+    """Return the token ids of each input of an embeddings body: a string, a list of strings,
+    a list of token ids or a list of token-id lists (SGLang's checks and words)."""
+    if not value:
+        raise ApiError(400, "Input cannot be empty")
+    if isinstance(value, str):
+        if not value.strip():
+            raise ApiError(400, "Input cannot be empty or whitespace only")
+        return [encode(value)]
+    if not isinstance(value, list):
+        raise ApiError(400, "input must be a string or a list", "input")
+    first = value[0]
+    if isinstance(first, str):
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ApiError(400, "All items in input list must be strings")
+            if not item.strip():
+                raise ApiError(400, f"Input at index {i} cannot be empty or whitespace only")
+        return [encode(item) for item in value]
+    if isinstance(first, int) and not isinstance(first, bool):
+        for i, item in enumerate(value):
+            if not isinstance(item, int) or isinstance(item, bool):
+                raise ApiError(400, "All items in input list must be integers")
+            if item < 0:
+                raise ApiError(400, f"Token ID at index {i} must be non-negative")
+        return [list(value)]
+    return [_token_ids(item, "input") for item in value]
+
+
+def embedding_vector(seed: int, prompt_ids: list[int], dim: int, keep: int | None = None
+                     ) -> list[float]:
+    """Return the simulated model's embedding of a prompt: a unit vector of ``dim`` entries
+    fixed by the server seed and the token ids (the same input always embeds alike); with
+    ``keep``, its first ``keep`` entries normalized again, as SGLang's pooler shortens a
+    matryoshka model's."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_ids}".encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "big"))  # noqa: S311 - a stand-in model, not secrets
+    values = [rng.gauss(0.0, 1.0) for _ in range(dim)][:keep]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
 class SimServer:
     """Request handlers bound to one :class:`Engine`."""
 
@@ -137,6 +184,12 @@ class SimServer:
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object")
         return body
+
+    def _check_generation(self) -> None:
+        """An embedding engine generates nothing (simulator's words: SGLang's differ)."""
+        if self.config.is_embedding:
+            raise ApiError(400, "This model is an embedding model (--is-embedding); it "
+                           "serves /v1/embeddings and generates nothing.")
 
     def _check_model(self, body: dict[str, Any]) -> str:
         model = body.get("model")
@@ -246,6 +299,7 @@ class SimServer:
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         body = await self._body(request)
+        self._check_generation()
         model = self._check_model(body)
         n = self._check_n(body)
         messages = body.get("messages")
@@ -268,6 +322,7 @@ class SimServer:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         body = await self._body(request)
+        self._check_generation()
         model = self._check_model(body)
         n = self._check_n(body)
         prompt = body.get("prompt")
@@ -288,6 +343,54 @@ class SimServer:
         reqs = self._choices(body, req, n, prompt_ids, rid_prefix="cmpl-",
                              max_new_tokens=max_tokens, sampling=body)
         return await self._openai_response(request, body, reqs, model, chat=False)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings, as SGLang's ``serving_embedding`` with ``--is-embedding``:
+        every input is prefilled (queue, running cap and prefill time as a generation's),
+        nothing is decoded, and the usage counts the prompts only."""
+        body = await self._body(request)
+        self._check_model(body)
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise ApiError(400, "encoding_format must be either 'float' or 'base64', "
+                           f"got {encoding!r}")
+        inputs = _embedding_inputs(body.get("input"))
+        if not self.config.is_embedding:
+            raise ApiError(400, "This model does not appear to be an embedding model by "
+                           "default. Please add `--is-embedding` when launching the server or "
+                           "try another model.")
+        dims = _opt_int(body, "dimensions")
+        if dims is not None:
+            if not self.config.is_matryoshka:
+                raise ApiError(400, f"Model '{self.config.model_path}' does not support "
+                               "matryoshka representation, changing output dimensions will "
+                               "lead to poor results.")
+            if dims < 1:
+                raise ApiError(400, "Requested dimensions must be greater than 0")
+            if dims > self.config.embedding_dim:
+                raise ApiError(400, "Provided dimensions are greater than max embedding "
+                               f"dimension: {self.config.embedding_dim}")
+        rids = body.get("rid")
+        batch = isinstance(body["input"], list) and not isinstance(body["input"][0], int)
+        if batch and rids is not None and not isinstance(rids, list):
+            raise ApiError(500, "Internal server error: The rid should be a list.")
+        if isinstance(rids, list) and (len(rids) != len(inputs) or not all(
+                isinstance(r, str) for r in rids)):
+            raise ApiError(400, "The rid list must hold one string per input", "rid")
+        reqs = []
+        for i, ids in enumerate(inputs):
+            item = {**body, "rid": rids[i] if isinstance(rids, list) else rids}
+            req = self._make_request(item, ids, rid_prefix="embd-", max_new_tokens=0,
+                                     sampling={})
+            req.namespace = ("embedding", req.rid)  # embedding prefills reuse no cache
+            reqs.append(req)
+        failed = await self._before_output()
+        if failed is not None:
+            return failed
+        # SGLang names the model path (not the served name) in an embedding answer
+        return _EmbeddingCall(self.engine, reqs, model=self.config.model_path,
+                              seed=self.config.seed, dim=self.config.embedding_dim, keep=dims,
+                              base64_out=encoding == "base64")
 
     async def _openai_response(
         self, request: Request, body: dict[str, Any], reqs: list[SimRequest], model: str, *,
@@ -325,6 +428,7 @@ class SimServer:
     async def generate(self, request: Request) -> Response:
         """POST /generate (SGLang native)."""
         body = await self._body(request)
+        self._check_generation()
         text, input_ids = body.get("text"), body.get("input_ids")
         if isinstance(text, list) or (input_ids and isinstance(input_ids[0], list)):
             raise ApiError(400, "Batch requests are not supported by the simulator")
@@ -401,7 +505,7 @@ class SimServer:
         return JSONResponse({
             "model_path": self.config.model_path,
             "tokenizer_path": self.config.model_path,
-            "is_generation": True,
+            "is_generation": not self.config.is_embedding,
             "preferred_sampling_params": None,
             "weight_version": "default",
             "has_image_understanding": False,
@@ -931,6 +1035,51 @@ class _EngineCall(_Watched):
             await events.aclose()
 
 
+class _EmbeddingCall(_Watched):
+    """ASGI response that prefills an embeddings body's inputs side by side (aborted when the
+    client goes away) and answers SGLang's ``EmbeddingResponse``."""
+
+    def __init__(self, engine: Engine, reqs: list[SimRequest], *, model: str, seed: int,
+                 dim: int, keep: int | None, base64_out: bool) -> None:
+        self.engine = engine
+        self.reqs = reqs
+        self.model = model
+        self.seed = seed
+        self.dim = dim
+        self.keep = keep
+        self.base64_out = base64_out
+
+    async def _one(self, req: SimRequest) -> None:
+        events = self.engine.generate(req, paced=False)
+        try:
+            async for _ in events:
+                pass
+        finally:
+            await events.aclose()
+
+    def _encoded(self, vector: list[float]) -> list[float] | str:
+        if not self.base64_out:
+            return vector
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+    async def _run(self, send: Send) -> None:
+        await asyncio.gather(*(self._one(req) for req in self.reqs))
+        prompt = sum(len(req.prompt_ids) for req in self.reqs)
+        data = [{"embedding": self._encoded(embedding_vector(self.seed, req.prompt_ids,
+                                                             self.dim, self.keep)),
+                 "index": i, "object": "embedding"} for i, req in enumerate(self.reqs)]
+        body = json.dumps({"data": data, "model": self.model, "object": "list",
+                           "usage": {"prompt_tokens": prompt, "total_tokens": prompt,
+                                     "completion_tokens": 0, "prompt_tokens_details": None,
+                                     "reasoning_tokens": 0,
+                                     "completion_tokens_details": None}},
+                          separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def _route_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
     async def wrapped(request: Request) -> Response:
         try:
@@ -968,6 +1117,7 @@ def create_app(config: SimConfig) -> Starlette:
     server = SimServer(config)
     generation = {"/v1/chat/completions": _route_errors(server.chat_completions),
                   "/v1/completions": _route_errors(server.completions),
+                  "/v1/embeddings": _route_errors(server.embeddings),
                   "/generate": _route_errors(server.generate)}
     routes = [
         *(Route(path, handler, methods=["POST"]) for path, handler in generation.items()),

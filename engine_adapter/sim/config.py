@@ -8,6 +8,7 @@ accepting the SGLang flags that change nothing here) lets a pool switch between 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ class SimConfig:
     # A reasoning model behind SGLang's ``--reasoning-parser``: a chat completion's first
     # ``reasoning_tokens`` tokens are its thinking (0: the model does not reason).
     reasoning_tokens: int = 0
+    # SGLang's ``--is-embedding``: the engine answers /v1/embeddings (vectors of
+    # ``embedding_dim`` floats, the model's hidden size) and refuses generation.
+    is_embedding: bool = False
+    embedding_dim: int = 64
+    # ``--json-model-override-args '{"is_matryoshka": true}'``: ``dimensions`` may shorten
+    # an embedding (SGLang refuses it otherwise).
+    is_matryoshka: bool = False
     faults: Faults | None = None
 
     def __post_init__(self) -> None:
@@ -83,10 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sim-reasoning-tokens", type=int, default=0,
                         help="chat completions think this many tokens first (SGLang's "
                              "reasoning parser splits them off as reasoning_content)")
+    parser.add_argument("--is-embedding", action="store_true",
+                        help="serve /v1/embeddings instead of generation, as SGLang's flag")
+    parser.add_argument("--sim-embedding-dim", type=int, default=64,
+                        help="the length of an embedding (the model's hidden size)")
     # SGLang flags that the launch line carries and that change nothing in the simulator: the
     # cache report, metrics and priority scheduling are always on here.
     for flag in ("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--json-model-override-args", default="{}",
+                        help="as SGLang's; the simulator reads is_matryoshka from it")
     for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device",
                  "--reasoning-parser"):
         parser.add_argument(flag, default=None)
@@ -127,6 +141,10 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         raise SystemExit("--max-running-requests must be at least 1")
     if args.prefill_tokens_per_s <= 0 or args.decode_tokens_per_s <= 0:
         raise SystemExit("token rates must be positive")
+    try:
+        overrides = json.loads(args.json_model_override_args)
+    except ValueError:
+        raise SystemExit("--json-model-override-args must be a JSON object") from None
     return SimConfig(
         served_model_name=args.served_model_name or args.model_path,
         model_path=args.model_path,
@@ -142,6 +160,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         log_level=args.log_level,
         health_check_timeout_s=conf.sim_health_check_timeout_s(),
         reasoning_tokens=max(0, args.sim_reasoning_tokens),
+        is_embedding=args.is_embedding,
+        embedding_dim=max(1, args.sim_embedding_dim),
+        is_matryoshka=bool(isinstance(overrides, dict) and overrides.get("is_matryoshka")),
         faults=Faults(
             error_rate=args.error_rate,
             stall_s=args.stall_s,

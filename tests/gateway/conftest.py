@@ -41,10 +41,13 @@ class LiveGateway:
 
 
 def register_engine(sim: SimProcess, *, pool: str, region: str, zone: str,
-                    gpu_hourly_cost: str = "2.00") -> EngineInstance:
+                    gpu_hourly_cost: str = "2.00", **fields: object) -> EngineInstance:
+    """Register a running simulator as the one engine of ``pool`` (``fields``: more of the
+    pool's columns, e.g. ``extra_args=["--is-embedding"]`` for an embedding pool)."""
     p, _ = Pool.objects.get_or_create(name=pool, defaults={
         "model": sim.model, "region": region, "zone": zone, "launch": Launch.EXTERNAL,
-        "gpu_hourly_cost": Decimal(gpu_hourly_cost), "external_urls": [sim.base_url]})
+        "gpu_hourly_cost": Decimal(gpu_hourly_cost), "external_urls": [sim.base_url],
+        **fields})
     replica = p.instances.count()
     return EngineInstance.objects.create(pool=p, replica=replica, engine_id=f"{pool}-{replica}",
                                          url=sim.base_url, status=EngineStatus.HEALTHY)

@@ -40,7 +40,8 @@ def test_seed_catalog_is_idempotent_and_prices_the_demo_models(org):
     assert PriceBook.objects.filter(is_default=True, currency="USD").count() == 1
     assert PriceVersion.objects.count() == 1
     assert set(ModelPrice.objects.values_list("model", flat=True)) == {
-        "tollgate/tiny-llama", "llama-3.1-8b-instruct", "llama-3.3-70b-instruct",
+        "tollgate/tiny-llama", "tollgate/tiny-embed", "llama-3.1-8b-instruct",
+        "llama-3.3-70b-instruct",
         "qwen3-235b-a22b"}
     assert set(Plan.objects.values_list("kind", flat=True)) == {"on_demand", "token_plan"}
     assert ProvisionedOffering.objects.count() == 1

@@ -39,18 +39,22 @@ BANDED = {**SMALL, "model": "banded",
           "bands": [{"above_prompt_tokens": 100_000, "input": "100.00",
                      "cached_input": "100.00", "output": "200.00"}]}
 FREE = {"model": "free", "input": "0", "output": "0"}  # explicitly priced at zero
+EMBED = {"model": "embed", "input": "100.00", "cached_input": "100.00", "output": "0"}
 MODELS = ("small", "banded", "free", "unpriced")  # "unpriced" has an engine and no price
+EMBEDDING_MODELS = ("embed",)
 HI = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture
 def gateway(transactional_db, tmp_path, settings, metering_stream):
     settings.FILES_DIR = str(tmp_path / "files")  # batch input files, shared with the gateway
-    make_price_book(prices=[SMALL, BANDED, FREE])
-    sims = {m: start_sim(served_model_name=m, max_running_requests=256, **FAST_RATES)
-            for m in MODELS}
+    make_price_book(prices=[SMALL, BANDED, FREE, EMBED])
+    sims = {m: start_sim(served_model_name=m, max_running_requests=256,
+                         is_embedding=m in EMBEDDING_MODELS, **FAST_RATES)
+            for m in (*MODELS, *EMBEDDING_MODELS)}
     for model, sim in sims.items():
-        register_engine(sim, pool=f"{model}-us", region="us-east", zone="us")
+        register_engine(sim, pool=f"{model}-us", region="us-east", zone="us",
+                        extra_args=["--is-embedding"] if model in EMBEDDING_MODELS else [])
     gw = start_gateway(tmp_path, env={**metering_stream, "TOLLGATE_FILES_DIR": settings.FILES_DIR})
     gw.sims = sims
     yield gw
@@ -341,18 +345,30 @@ def test_a_token_array_prompt_is_refused_before_any_engine(gateway):
 TOKENS = 30
 
 
-def _true_worst() -> Decimal:
+def _true_worst(kind: str) -> Decimal:
     """One request's worst case: its prompt bound and full output, at the base prices (the
-    100x band starts at 100,000 prompt tokens, which these prompts can never reach)."""
+    100x band starts at 100,000 prompt tokens, which these prompts can never reach); an
+    embedding's is its input's bound alone."""
+    if kind == "embedding":
+        return admission.prompt_token_bound("hello there", 1) * Decimal(EMBED["input"]) * MICRO
     bound = admission.prompt_token_bound("user: hello there", 1)
     return (bound * Decimal(BANDED["input"]) + TOKENS * Decimal(BANDED["output"])) * MICRO
 
 
-@pytest.mark.parametrize("threads", [32, 1], ids=["200-parallel", "sequential"])
+def _one_request(client: openai.OpenAI, kind: str):
+    if kind == "embedding":
+        return client.embeddings.with_raw_response.create(model="embed", input="hello there")
+    return client.chat.completions.with_raw_response.create(
+        model="banded", messages=HI, max_tokens=TOKENS, extra_body={"ignore_eos": True})
+
+
+@pytest.mark.parametrize(("kind", "threads"), [("chat", 32), ("chat", 1), ("embedding", 32)],
+                         ids=["200-parallel", "sequential", "embeddings-200-parallel"])
 def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_it(
-        gateway, threads):
-    # given a model with a 100x band for prompts over 100,000 tokens, and a hard budget of
-    # 0.01: about 145 requests of 30 output tokens at the base prices
+        gateway, kind, threads):
+    # given a model with a 100x band for prompts over 100,000 tokens (or an embedding model
+    # at 100 per million input tokens), and a hard budget of 0.01: about 145 requests of 30
+    # output tokens at the base prices (about 33 embeddings)
     org, _key, secret = _tenant()
     budget = Decimal("0.01")
     quotas.budget_set(organization=org, amount=budget, hard=True)
@@ -365,9 +381,7 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
         ids, refusals = [], Counter()
         for _ in range(1000):
             try:
-                raw = client.chat.completions.with_raw_response.create(
-                    model="banded", messages=HI, max_tokens=TOKENS,
-                    extra_body={"ignore_eos": True})
+                raw = _one_request(client, kind)
             except openai.APIStatusError as exc:
                 refusals[(exc.status_code, exc.code)] += 1
                 if exc.status_code == 429 and int(exc.response.headers["retry-after"]) > 60:
@@ -395,7 +409,7 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
     assert set(refusals) <= {(429, "organization_spend_limit_exceeded"), (502, "engine_error")}
     _ingested(ids)
     spend = _spend(org)
-    worst = _true_worst()
+    worst = _true_worst(kind)
     assert spend <= budget, spend
     assert spend > budget - worst, (spend, budget, worst, len(ids))
 

@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import connection
 
 from billing_platform.accounts.selectors import KeyPrincipal
-from billing_platform.errors import Unavailable
+from billing_platform.errors import InvalidRequest, Unavailable
 from billing_platform.gateway import pipeline
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
@@ -37,6 +37,7 @@ from billing_platform.gateway.batch.standing import Standing, batch_standing
 from billing_platform.gateway.batch.validation import ENDPOINTS
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
 from billing_platform.gateway.services import openai_body, usage_event
+from billing_platform.gateway.validation import check_token_ids
 from engine_adapter.registry import Fleet
 from engine_adapter.types import (
     EngineBadRequest,
@@ -83,10 +84,22 @@ async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: 
     return ticket, None
 
 
+def _refused(line: BatchLine, message: str, *, param: str | None, code: str) -> LineOutcome:
+    """A line the engine cannot run as written: failed with a 400, nothing billed."""
+    error = {"message": message, "type": "invalid_request_error", "param": param,
+             "code": code}
+    return LineOutcome(line.id, state=LineState.FAILED, status_code=400,
+                       response={"error": error}, error={"code": code, "message": message})
+
+
 async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
                     regions: set[str] | None, policy: quota.QuotaPolicy | None = None
                     ) -> LineOutcome:
     req = ENDPOINTS[batch.endpoint](line.body)
+    try:
+        check_token_ids(req, fleet.router.traits(req.model).vocab_size)
+    except InvalidRequest as exc:
+        return _refused(line, exc.message, param=exc.param, code=exc.code)
     ticket = None
     if policy is not None:
         ticket, refused = await _admit(policy, principal, req, line)
@@ -110,11 +123,8 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
     except NoCapacity:
         return LineOutcome(line.id, retry=True)
     except EngineBadRequest as exc:
-        error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
-                 "code": exc.code}
-        return LineOutcome(line.id, state=LineState.FAILED, status_code=400,
-                           response={"error": error}, error={"code": exc.code,
-                                                             "message": str(exc)})
+        message, param = pipeline.refusal(exc, req)
+        return _refused(line, message, param=param, code=exc.code)
     except EngineError as exc:
         if line.attempts < MAX_ATTEMPTS:
             return LineOutcome(line.id, retry=True)
@@ -130,7 +140,8 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
         message = (result.error if result else None) or "the engine failed"
         return LineOutcome(line.id, state=LineState.FAILED, status_code=502,
                            error={"code": "engine_error", "message": message})
-    body = openai_body(call, kind=req.kind, request_id=line.request_id, tier="batch")
+    body = openai_body(call, kind=req.kind, request_id=line.request_id, tier="batch",
+                       model=req.model)
     event = usage_event(principal=principal, request_id=line.request_id, model=req.model,
                         tier="batch", engine=call.tried[-1], result=result, started=started,
                         user=req.user)

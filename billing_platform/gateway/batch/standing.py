@@ -57,7 +57,8 @@ async def batch_standing(batch: Batch) -> Standing | dict[str, Any]:
         return _stop(ORG_STATUS_CODES.get(principal.org_status, "organization_inactive"),
                      f"the organization is {principal.org_status}.")
     try:
-        placement = await pipeline.placement_resolve(principal=principal, model=batch.model)
+        placement = await pipeline.placement_resolve(principal=principal, model=batch.model,
+                                                     kind=pipeline.KINDS[batch.endpoint])
     except NotFound as exc:  # the data zone, a residency narrowing, the key's models, a price
         return _stop(exc.code, exc.message)
     return Standing(principal=principal, regions=placement.regions,

@@ -26,12 +26,13 @@ from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus
-from billing_platform.gateway.pipeline import placement_resolve
-from billing_platform.gateway.validation import parse_chat, parse_completion
+from billing_platform.gateway.pipeline import KINDS, placement_resolve
+from billing_platform.gateway.validation import parse_chat, parse_completion, parse_embeddings
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 
-ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}
+ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion,
+             "/v1/embeddings": parse_embeddings}
 MAX_REPORTED_ERRORS = 1000
 
 
@@ -113,12 +114,13 @@ def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed
     return parsed, errors
 
 
-def _model_error(principal: KeyPrincipal, model: str) -> str | None:
-    """Return why the caller may not run ``model`` (existence, key, data zone, residency
-    narrowing, price), or None: the placement rule of /v1, so a batch /v1 would refuse
-    fails here rather than wait, never run, until it expires."""
+def _model_error(principal: KeyPrincipal, model: str, endpoint: str) -> str | None:
+    """Return why the caller may not run ``model`` on ``endpoint`` (existence, key, data
+    zone, residency narrowing, price, an embedding model or not), or None: the placement rule
+    of /v1, so a batch /v1 would refuse fails here rather than wait, never run, until it
+    expires."""
     try:
-        asyncio.run(placement_resolve(principal=principal, model=model))
+        asyncio.run(placement_resolve(principal=principal, model=model, kind=KINDS[endpoint]))
     except NotFound as exc:
         return exc.message
     return None
@@ -141,7 +143,7 @@ def batch_validate(*, batch_id: int) -> Batch | None:
             errors.append(_line_error("empty_file", "The input file has no requests.", 0))
     model = parsed[0].model if parsed else ""
     if not errors:
-        why = _model_error(KeyPrincipal.from_json(batch.principal), model)
+        why = _model_error(KeyPrincipal.from_json(batch.principal), model, batch.endpoint)
         if why:
             errors.append(_line_error("model_not_found", why, parsed[0].line_no, "body.model"))
     now = timezone.now()

@@ -22,6 +22,8 @@ CATALOG_FROM = datetime(2025, 1, 1, tzinfo=UTC)
 # model -> per-1M prices (strings: never floats near money). cached_input omitted = 0.1 x input.
 MODEL_PRICES: list[dict[str, Any]] = [
     {"model": "tollgate/tiny-llama", "input": "0.02", "output": "0.04"},
+    # an embedding model: input only (OpenAI's text-embedding-3-small is 0.02)
+    {"model": "tollgate/tiny-embed", "input": "0.01", "output": "0", "cached_input": "0.01"},
     {"model": "llama-3.1-8b-instruct", "input": "0.18", "output": "0.18"},
     {"model": "llama-3.3-70b-instruct", "input": "0.88", "output": "0.88",
      "cached_input": "0.44"},
@@ -46,6 +48,8 @@ TOKEN_PLAN: dict[str, Any] = {
         {"model": "tollgate/tiny-llama", "token_class": "input", "coefficient": "0.1"},
         {"model": "tollgate/tiny-llama", "token_class": "cached_input", "coefficient": "0.01"},
         {"model": "tollgate/tiny-llama", "token_class": "output", "coefficient": "0.2"},
+        {"model": "tollgate/tiny-embed", "token_class": "input", "coefficient": "0.05"},
+        {"model": "tollgate/tiny-embed", "token_class": "cached_input", "coefficient": "0.05"},
         {"model": "llama-3.1-8b-instruct", "token_class": "input", "coefficient": "1"},
         {"model": "llama-3.1-8b-instruct", "token_class": "cached_input", "coefficient": "0.1"},
         {"model": "llama-3.1-8b-instruct", "token_class": "output", "coefficient": "1"},
