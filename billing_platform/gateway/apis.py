@@ -33,7 +33,12 @@ from billing_platform.gateway.responses import (
     inference_request,
     parse_responses,
 )
-from billing_platform.gateway.validation import parse_chat, parse_completion, parse_embeddings
+from billing_platform.gateway.validation import (
+    InferenceRequest,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 from plans import concurrency
@@ -126,29 +131,25 @@ async def _respond(request: GatewayRequest, served: services.Served) -> HttpResp
     return response
 
 
-@openai_endpoint()
-async def chat_completions(request: GatewayRequest, principal: KeyPrincipal,
-                           request_id: str) -> HttpResponse:
-    req = parse_chat(_json_body(request))
-    return await _respond(request, await services.serve(principal=principal, req=req,
-                                                        request_id=request_id))
+def _inference(parse: Callable[[Any], InferenceRequest], doc: str) -> View:
+    """Return the /v1 endpoint that validates its body with ``parse`` and serves it through
+    the request pipeline, answering in OpenAI's shape."""
+
+    @openai_endpoint()
+    async def endpoint(request: GatewayRequest, principal: KeyPrincipal,
+                       request_id: str) -> HttpResponse:
+        req = parse(_json_body(request))
+        return await _respond(request, await services.serve(principal=principal, req=req,
+                                                            request_id=request_id))
+
+    endpoint.__doc__ = doc
+    return endpoint
 
 
-@openai_endpoint()
-async def completions(request: GatewayRequest, principal: KeyPrincipal,
-                      request_id: str) -> HttpResponse:
-    req = parse_completion(_json_body(request))
-    return await _respond(request, await services.serve(principal=principal, req=req,
-                                                        request_id=request_id))
-
-
-@openai_endpoint()
-async def embeddings(request: GatewayRequest, principal: KeyPrincipal,
-                     request_id: str) -> HttpResponse:
-    """OpenAI's embeddings, served by the fleet's embedding pools (``--is-embedding``)."""
-    req = parse_embeddings(_json_body(request))
-    return await _respond(request, await services.serve(principal=principal, req=req,
-                                                        request_id=request_id))
+chat_completions = _inference(parse_chat, "OpenAI's chat completions.")
+completions = _inference(parse_completion, "OpenAI's legacy completions (a string prompt).")
+embeddings = _inference(parse_embeddings, "OpenAI's embeddings, served by the fleet's "
+                        "embedding pools (``--is-embedding``).")
 
 
 @openai_endpoint(error=anthropic_error, key_header="x-api-key")

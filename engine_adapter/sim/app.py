@@ -31,6 +31,7 @@ import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -1035,19 +1036,19 @@ class _EngineCall(_Watched):
             await events.aclose()
 
 
+@dataclass(eq=False)
 class _EmbeddingCall(_Watched):
     """ASGI response that prefills an embeddings body's inputs side by side (aborted when the
-    client goes away) and answers SGLang's ``EmbeddingResponse``."""
+    client goes away) and answers SGLang's ``EmbeddingResponse``: ``dim`` floats each, the
+    first ``keep`` when shortened."""
 
-    def __init__(self, engine: Engine, reqs: list[SimRequest], *, model: str, seed: int,
-                 dim: int, keep: int | None, base64_out: bool) -> None:
-        self.engine = engine
-        self.reqs = reqs
-        self.model = model
-        self.seed = seed
-        self.dim = dim
-        self.keep = keep
-        self.base64_out = base64_out
+    engine: Engine
+    reqs: list[SimRequest]
+    model: str
+    seed: int
+    dim: int
+    keep: int | None
+    base64_out: bool
 
     async def _one(self, req: SimRequest) -> None:
         events = self.engine.generate(req, paced=False)

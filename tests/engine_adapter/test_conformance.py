@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from io import StringIO
 
@@ -19,9 +18,10 @@ from engine_adapter import services
 from engine_adapter.choices import EngineStatus
 from engine_adapter.metrics import parse_engine_counters, parse_engine_load
 from engine_adapter.models import EngineInstance
-from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
-from engine_adapter.sim.testing import FAST_RATES, free_port, start_sim
+from engine_adapter.sglang_cpu import is_ready, resolve_paths
+from engine_adapter.sim.testing import FAST_RATES, start_sim
 from tests.conftest import wait_until
+from tests.real_sglang import real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="run `python -m engine_adapter.sglang_cpu setup` first")
@@ -31,21 +31,14 @@ LONG = " ".join(f"word{i % 97} is number {i}." for i in range(45))
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, str]]:
-    paths = resolve_paths()
-    port = free_port()
-    argv, env = launch_spec(model_dir=paths.model_dir, port=port, served_model_name=MODEL)
-    real = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+def engines(tmp_path_factory) -> Iterator[dict[str, str]]:
+    log = tmp_path_factory.mktemp("sglang") / "sglang.log"
     sim = start_sim(served_model_name=MODEL, **FAST_RATES)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=180,
-                     is_alive=lambda: real.poll() is None)
-        yield {"sglang": f"http://127.0.0.1:{port}", "sim": sim.base_url}
+        with real_sglang(log, served_model_name=MODEL, timeout=180) as url:
+            yield {"sglang": url, "sim": sim.base_url}
     finally:
         sim.stop()
-        os.killpg(real.pid, signal.SIGTERM)
-        real.wait(timeout=30)
 
 
 def _chat(url: str, content: str, **extra) -> dict:

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import base64
 import math
-import os
-import signal
 import struct
-import subprocess
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
-from engine_adapter.sim.testing import FAST_RATES, free_port, start_sim
+from engine_adapter.sglang_cpu import is_ready
+from engine_adapter.sim.testing import FAST_RATES, start_sim
+from tests.real_sglang import real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="run `python -m engine_adapter.sglang_cpu setup` first")
@@ -41,22 +39,15 @@ def _clean_redis() -> None:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, str]]:
-    port = free_port()
-    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
-                            served_model_name=MODEL, extra_args=FLAGS)
-    real = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+def engines(tmp_path_factory) -> Iterator[dict[str, str]]:
+    log = tmp_path_factory.mktemp("sglang-embed") / "sglang.log"
     sim = start_sim(served_model_name=MODEL, is_embedding=True,
                     json_model_override_args=FLAGS[2], **FAST_RATES)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=240,
-                     is_alive=lambda: real.poll() is None)
-        yield {"sglang": f"http://127.0.0.1:{port}", "sim": sim.base_url}
+        with real_sglang(log, served_model_name=MODEL, extra_args=FLAGS) as url:
+            yield {"sglang": url, "sim": sim.base_url}
     finally:
         sim.stop()
-        os.killpg(real.pid, signal.SIGTERM)
-        real.wait(timeout=30)
 
 
 def _post(url: str, body: dict) -> httpx.Response:

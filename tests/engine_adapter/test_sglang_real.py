@@ -12,11 +12,7 @@ The model has random weights, so requests that need a known length pass ``ignore
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -28,7 +24,8 @@ import httpx
 import openai
 import pytest
 
-from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
+from engine_adapter.sglang_cpu import is_ready, resolve_paths
+from tests.real_sglang import real_sglang
 
 MODEL = "tiny-llama"
 STARTUP_TIMEOUT_S = 120.0
@@ -84,48 +81,12 @@ class Engine:
         return value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    paths = resolve_paths()
-    port = _free_port()
-    argv, env = launch_spec(
-        model_dir=paths.model_dir,
-        port=port,
-        served_model_name=MODEL,
-        extra_args=("--max-running-requests", "1"),
-    )
     log_file = tmp_path_factory.mktemp("sglang") / "server.log"
-    with log_file.open("w") as log:
-        # Own session, so teardown can end the server and the scheduler it forks, and only them.
-        server = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, timeout=STARTUP_TIMEOUT_S, is_alive=lambda: server.poll() is None)
+    with real_sglang(log_file, served_model_name=MODEL, timeout=STARTUP_TIMEOUT_S,
+                     extra_args=("--max-running-requests", "1")) as base_url:
         yield Engine(base_url=base_url, log_file=log_file)
-    except (RuntimeError, TimeoutError) as exc:
-        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-30:])
-        pytest.fail(f"{exc}\n--- server log ({log_file}) ---\n{tail}")
-    finally:
-        _stop(server)
-
-
-def _stop(server: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=20)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=10)
 
 
 def _long_prompt(words: int = 360) -> str:

@@ -5,9 +5,6 @@ simulator and on real SGLang (CPU).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -19,11 +16,12 @@ import pytest
 
 from engine_adapter.models import EngineInstance
 from engine_adapter.services import fleet_health_check
-from engine_adapter.sim.testing import free_port, start_sim
+from engine_adapter.sim.testing import start_sim
 from metering.models import UsageEvent
 from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, register_engine, start_gateway, stop_gateway
+from tests.real_sglang import real_sglang
 
 
 def _secret() -> str:
@@ -207,43 +205,27 @@ def _real_sglang_ready() -> bool:
     "False); run `python -m engine_adapter.sglang_cpu setup` first"))
 def test_priority_finishes_ahead_of_default_on_a_saturated_real_sglang_engine(
         transactional_db, tmp_path, metering_stream):
-    from engine_adapter.sglang_cpu import launch_spec, resolve_paths, wait_healthy
-
     # given real SGLang running one request at a time, behind the gateway
-    port = free_port()
-    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
-                            served_model_name="tiny-llama",
-                            extra_args=("--max-running-requests", "1"))
-    log_path = Path(tmp_path) / "sglang.log"
-    with log_path.open("w") as log:
-        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
     gateway = None
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, timeout=180, is_alive=lambda: server.poll() is None)
-        make_price_book(prices=[{"model": "tiny-llama", "input": "0.50", "output": "1.50"}])
-        register_engine(SimpleNamespace(model="tiny-llama", base_url=base), pool="tiny-us",
-                        region="us-east", zone="us")
-        gateway = start_gateway(tmp_path, env=metering_stream)
-
-        # when a default request runs, another default one queues, then a priority one
-        def loads() -> dict:
-            return httpx.get(f"{base}/v1/loads", timeout=10).json()["loads"][0]
-
-        order = _finish_order(
-            gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
-            running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
-            long_tokens=1950, low_tokens=400, extra={"ignore_eos": True})
-        # then the priority request (SGLang priority 10 vs 0) is served first
-        assert order.index("high") < order.index("low"), order
-    finally:
-        if gateway is not None:
-            stop_gateway(gateway)
+    with real_sglang(Path(tmp_path) / "sglang.log", served_model_name="tiny-llama",
+                     timeout=180, extra_args=("--max-running-requests", "1")) as base:
         try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            make_price_book(prices=[{"model": "tiny-llama", "input": "0.50",
+                                     "output": "1.50"}])
+            register_engine(SimpleNamespace(model="tiny-llama", base_url=base),
+                            pool="tiny-us", region="us-east", zone="us")
+            gateway = start_gateway(tmp_path, env=metering_stream)
+
+            # when a default request runs, another default one queues, then a priority one
+            def loads() -> dict:
+                return httpx.get(f"{base}/v1/loads", timeout=10).json()["loads"][0]
+
+            order = _finish_order(
+                gateway, _secret(), model="tiny-llama", path="/v1/completions", load=loads,
+                running=lambda s: s["num_running_reqs"], queued=lambda s: s["num_waiting_reqs"],
+                long_tokens=1950, low_tokens=400, extra={"ignore_eos": True})
+            # then the priority request (SGLang priority 10 vs 0) is served first
+            assert order.index("high") < order.index("low"), order
+        finally:
+            if gateway is not None:
+                stop_gateway(gateway)

@@ -197,7 +197,8 @@ def test_create_rejects_bad_parameters_and_other_orgs_ids(stack):
                               completion_window="48h")  # type: ignore[arg-type]
     assert window.value.body["param"] == "completion_window"
     with pytest.raises(openai.BadRequestError) as endpoint:
-        client.batches.create(input_file_id=file_id, endpoint="/v1/moderations",  # type: ignore[arg-type]
+        client.batches.create(input_file_id=file_id,
+                              endpoint="/v1/moderations",  # type: ignore[arg-type]
                               completion_window="24h")
     assert endpoint.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):

@@ -6,15 +6,11 @@ files.content(output_file_id) parsed, and one usage event per line at tier ``bat
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from dataclasses import dataclass
 
 import pytest
 
-from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
-from engine_adapter.sim.testing import free_port
+from engine_adapter.sglang_cpu import is_ready
 from tests.gateway.conftest import stop_gateway
 from tests.gateway.test_batch_api import (
     batch_env,
@@ -24,6 +20,7 @@ from tests.gateway.test_batch_api import (
     upload,
     wait_status,
 )
+from tests.real_sglang import real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="the SGLang CPU environment is not set up; run "
@@ -42,61 +39,42 @@ class RealEngine:
 
 def test_sdk_batch_completes_on_real_sglang(transactional_db, tmp_path, settings,
                                             metering_stream, celery_worker_process):
-    port = free_port()
-    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
-                            served_model_name=MODEL,
-                            extra_args=("--max-running-requests", "4"))
-    log = tmp_path / "sglang.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
     stack = None
-    try:
-        base_url = f"http://127.0.0.1:{port}"
+    with real_sglang(tmp_path / "sglang.log", served_model_name=MODEL,
+                     extra_args=("--max-running-requests", "4")) as base_url:
         try:
-            wait_healthy(base_url, timeout=240, is_alive=lambda: server.poll() is None)
-        except (RuntimeError, TimeoutError) as exc:
-            pytest.fail(f"{exc}\n{log.read_text(errors='replace')[-3000:]}")
-        stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream,
-                                                TOLLGATE_BATCH_SWEEP_S="5"),
-                            [RealEngine(base_url, MODEL)])  # type: ignore[list-item]
-        client = stack.client()
-        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": MODEL, "max_tokens": 6, "messages": [
-                      {"role": "user", "content": f"Count to {i + 2}."}]}} for i in range(3)]
-        lines.append({"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
-                      "body": {"model": MODEL, "max_tokens": 4, "temperature": 0,
-                               "messages": [{"role": "user", "content": "Hello"}]}})
-        file_id = upload(client, lines)
-        celery_worker_process(queues="batch", beat=True, env=stack.env)
+            stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream,
+                                                    TOLLGATE_BATCH_SWEEP_S="5"),
+                                [RealEngine(base_url, MODEL)])  # type: ignore[list-item]
+            client = stack.client()
+            lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": MODEL, "max_tokens": 6, "messages": [
+                          {"role": "user", "content": f"Count to {i + 2}."}]}} for i in range(3)]
+            lines.append({"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                                   "messages": [{"role": "user", "content": "Hello"}]}})
+            file_id = upload(client, lines)
+            celery_worker_process(queues="batch", beat=True, env=stack.env)
 
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        done = wait_status(client, batch.id, ("completed", "failed"), timeout=240)
+            batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            done = wait_status(client, batch.id, ("completed", "failed"), timeout=240)
 
-        assert done.status == "completed", done
-        assert done.request_counts.completed == 4 and done.request_counts.failed == 0
-        rows = results(client, done.output_file_id)
-        assert sorted(r["custom_id"] for r in rows) == ["c0", "q0", "q1", "q2"]
-        for row in rows:
-            body = row["response"]["body"]
-            assert row["response"]["status_code"] == 200
-            assert body["object"] == "chat.completion" and body["model"] == MODEL
-            assert 1 <= body["usage"]["completion_tokens"] <= 6
-        raw = client.files.content(done.output_file_id).text
-        assert all(json.loads(line)["error"] is None for line in raw.splitlines())
-        events = batch_events(batch.id, 4)
-        assert len(events) == 4 and {e.service_tier for e in events} == {"batch"}
-        usage = {r["response"]["request_id"]: r["response"]["body"]["usage"] for r in rows}
-        assert all(usage[e.request_id]["prompt_tokens"] == e.prompt_tokens for e in events)
-    finally:
-        if stack is not None:
-            stop_gateway(stack.gateway)
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=10)
+            assert done.status == "completed", done
+            assert done.request_counts.completed == 4 and done.request_counts.failed == 0
+            rows = results(client, done.output_file_id)
+            assert sorted(r["custom_id"] for r in rows) == ["c0", "q0", "q1", "q2"]
+            for row in rows:
+                body = row["response"]["body"]
+                assert row["response"]["status_code"] == 200
+                assert body["object"] == "chat.completion" and body["model"] == MODEL
+                assert 1 <= body["usage"]["completion_tokens"] <= 6
+            raw = client.files.content(done.output_file_id).text
+            assert all(json.loads(line)["error"] is None for line in raw.splitlines())
+            events = batch_events(batch.id, 4)
+            assert len(events) == 4 and {e.service_tier for e in events} == {"batch"}
+            usage = {r["response"]["request_id"]: r["response"]["body"]["usage"] for r in rows}
+            assert all(usage[e.request_id]["prompt_tokens"] == e.prompt_tokens for e in events)
+        finally:
+            if stack is not None:
+                stop_gateway(stack.gateway)

@@ -9,19 +9,16 @@ SDK sees is the stored event's.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 
 import openai
 import pytest
 
-from engine_adapter.sglang_cpu import is_ready, launch_spec, resolve_paths, wait_healthy
-from engine_adapter.sim.testing import free_port
+from engine_adapter.sglang_cpu import is_ready
 from tests.factories import make_price_book
 from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
 from tests.gateway.test_batch_sglang import RealEngine
 from tests.gateway.test_openai_api import _event, _key
+from tests.real_sglang import real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="the SGLang CPU environment is not set up; run "
@@ -49,47 +46,34 @@ def _fits(doc: object) -> bool:
 def test_json_schema_answers_fit_the_schema_through_the_gateway(transactional_db, tmp_path,
                                                                 metering_stream):
     make_price_book(prices=[{"model": MODEL, "input": "0.50", "output": "1.50"}])
-    port = free_port()
-    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
-                            served_model_name=MODEL,
-                            extra_args=("--constrained-json-disable-any-whitespace",))
-    log = tmp_path / "sglang.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
     gateway = None
-    try:
-        base_url = f"http://127.0.0.1:{port}"
+    with real_sglang(tmp_path / "sglang.log", served_model_name=MODEL,
+                     extra_args=("--constrained-json-disable-any-whitespace",)) as base_url:
         try:
-            wait_healthy(base_url, timeout=240, is_alive=lambda: server.poll() is None)
-        except (RuntimeError, TimeoutError) as exc:
-            pytest.fail(f"{exc}\n{log.read_text(errors='replace')[-3000:]}")
-        register_engine(RealEngine(base_url, MODEL), pool="real-us",  # type: ignore[arg-type]
-                        region="us-east", zone="us")
-        gateway = start_gateway(tmp_path, env=metering_stream)
-        _key_obj, secret = _key()
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=secret, max_retries=0)
+            register_engine(RealEngine(base_url, MODEL), pool="real-us",  # type: ignore[arg-type]
+                            region="us-east", zone="us")
+            gateway = start_gateway(tmp_path, env=metering_stream)
+            _key_obj, secret = _key()
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=secret, max_retries=0)
 
-        for seed in range(3):
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Weather report {seed}"}],
-                max_tokens=200, temperature=1.0, seed=seed,
-                response_format={"type": "json_schema", "json_schema": {
-                    "name": "weather", "schema": SCHEMA, "strict": True}})
-            answer = raw.parse()
-            choice = answer.choices[0]
-            assert choice.finish_reason == "stop", choice
-            assert _fits(json.loads(choice.message.content)), choice.message.content
-            event = _event(raw.headers["x-request-id"])
-            assert (event.prompt_tokens, event.completion_tokens) == (
-                answer.usage.prompt_tokens, answer.usage.completion_tokens)
+            for seed in range(3):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"Weather report {seed}"}],
+                    max_tokens=200, temperature=1.0, seed=seed,
+                    response_format={"type": "json_schema", "json_schema": {
+                        "name": "weather", "schema": SCHEMA, "strict": True}})
+                answer = raw.parse()
+                choice = answer.choices[0]
+                assert choice.finish_reason == "stop", choice
+                assert _fits(json.loads(choice.message.content)), choice.message.content
+                event = _event(raw.headers["x-request-id"])
+                assert (event.prompt_tokens, event.completion_tokens) == (
+                    answer.usage.prompt_tokens, answer.usage.completion_tokens)
 
-        loose = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Any JSON"}], max_tokens=100,
-            temperature=0, response_format={"type": "json_object"})
-        assert isinstance(json.loads(loose.choices[0].message.content), dict)
-    finally:
-        if gateway is not None:
-            stop_gateway(gateway)
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+            loose = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Any JSON"}], max_tokens=100,
+                temperature=0, response_format={"type": "json_object"})
+            assert isinstance(json.loads(loose.choices[0].message.content), dict)
+        finally:
+            if gateway is not None:
+                stop_gateway(gateway)

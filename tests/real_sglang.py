@@ -1,0 +1,52 @@
+"""Start real SGLang on this CPU (the set-up recipe's tiny model) for one test or module.
+
+Every test against the real engine needs the same steps: a free port, the recipe's launch
+line, a process group of its own (SGLang forks a scheduler and a detokenizer), a wait until
+``/health`` answers that fails fast when the server dies, and a stop of the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from engine_adapter.sglang_cpu import launch_spec, resolve_paths, wait_healthy
+from engine_adapter.sim.testing import free_port
+
+
+@contextmanager
+def real_sglang(log_path: Path, *, served_model_name: str, extra_args: Sequence[str] = (),
+                timeout: float = 240) -> Iterator[str]:
+    """Run one real SGLang server and yield its base URL; it logs to ``log_path``.
+
+    A server that dies or is not healthy in ``timeout`` seconds fails the test with the end of
+    its log. However the block ends, the server's process group is stopped.
+    """
+    port = free_port()
+    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
+                            served_model_name=served_model_name, extra_args=extra_args)
+    with log_path.open("w") as out:
+        server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base_url, timeout=timeout, is_alive=lambda: server.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            pytest.fail(f"{exc}\n{log_path.read_text(errors='replace')[-3000:]}")
+        yield base_url
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
