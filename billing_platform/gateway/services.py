@@ -151,7 +151,7 @@ def embeddings_body(call: EngineCall, *, model: str) -> dict[str, Any]:
 
 
 def openai_body(call: EngineCall, *, kind: str, request_id: str, tier: str,
-                model: str = "") -> dict[str, Any]:
+                model: str) -> dict[str, Any]:
     """Return a finished non-streaming engine answer in OpenAI's shape (our id, tier, usage)."""
     if kind == "embedding":
         return embeddings_body(call, model=model)
