@@ -68,6 +68,9 @@ class UsageEventData:
     batch_id: str | None = None
     source: str = EventSource.GATEWAY
     end_user: str | None = None  # the request's ``user``; None when it named none
+    # of ``completion_tokens``, those the engine's reasoning parser counted as thinking
+    # (priced as output, like the rest of the completion)
+    reasoning_tokens: int = 0
 
     @property
     def key(self) -> tuple[int, str]:
@@ -184,6 +187,11 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
     if not cost.is_finite() or cost < 0 or cost >= Decimal("1e17"):
         raise InvalidRequest("cost_to_serve must be a non-negative number.",
                              param="cost_to_serve")
+    completion = _int(get("completion_tokens", 0), "completion_tokens")
+    reasoning = _int(get("reasoning_tokens") or 0, "reasoning_tokens")
+    if reasoning > completion:  # type: ignore[operator]
+        raise InvalidRequest("reasoning_tokens cannot exceed completion_tokens (they are part "
+                             "of them).", param="reasoning_tokens")
     api_key_id = get("api_key_id")
     batch_id = get("batch_id")
     end_user = get("end_user")
@@ -211,7 +219,7 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
         capacity_source=source,
         prompt_tokens=prompt,  # type: ignore[arg-type]
         cached_tokens=cached,  # type: ignore[arg-type]
-        completion_tokens=_int(get("completion_tokens", 0), "completion_tokens"),  # type: ignore[arg-type]
+        completion_tokens=completion,  # type: ignore[arg-type]
         queue_ms=_int(get("queue_ms"), "queue_ms", upper=MAX_MS, null=True),
         ttft_ms=_int(get("ttft_ms"), "ttft_ms", upper=MAX_MS, null=True),
         total_ms=_int(get("total_ms"), "total_ms", upper=MAX_MS, null=True),
@@ -222,29 +230,41 @@ def normalize(event: UsageEventData | Mapping[str, Any], *, check_age: bool = Tr
         source=origin,
         end_user=None if end_user in (None, "") else _text(end_user, "end_user",
                                                            max_length=MAX_USER),
+        reasoning_tokens=reasoning,  # type: ignore[arg-type]
     )
 
 
 # The wire form is a JSON array, version first, then the columns in ``ROW_FIELDS`` order:
 # positional, so the consumer parses about a third of the bytes of an object and hands the
 # values to COPY as they are (timestamps and decimals stay strings; PostgreSQL parses them).
-# ``end_user`` came last, after the rest: entries written before it (still on the stream or
-# in a spool file, one value shorter) are read as having none; the version stays 1, so
-# readers that match on the frame's prefix (dead letters by organization) see both alike.
+# Fields added since come last, in ``ADDED_FIELDS`` order: an entry written before one of them
+# (still on the stream or in a spool file, that many values shorter) reads as having its
+# default; the version stays 1, so readers that match on the frame's prefix (dead letters by
+# organization) see all alike.
 WIRE_VERSION = 1
+ADDED_FIELDS = (("end_user", None), ("reasoning_tokens", 0))
 ROW_FIELDS = (
     "org_id", "request_id", "project_id", "api_key_id", "model", "region", "data_zone",
     "engine", "service_tier", "capacity_source", "prompt_tokens", "cached_tokens",
     "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "status", "cost_to_serve",
-    "event_time", "batch_id", "source", "end_user",
+    "event_time", "batch_id", "source", *(name for name, _ in ADDED_FIELDS),
 )
 ROW_LEN = len(ROW_FIELDS)
+_OLDEST_LEN = 1 + ROW_LEN - len(ADDED_FIELDS)  # an entry's values, version included
 I_END_USER = ROW_FIELDS.index("end_user")
+I_REASONING = ROW_FIELDS.index("reasoning_tokens")
 I_ORG, I_REQUEST, I_ZONE, I_COST, I_TIME = (ROW_FIELDS.index(n) for n in (
     "org_id", "request_id", "data_zone", "cost_to_serve", "event_time"))
 
 # one event in ROW_FIELDS order; event_time/cost_to_serve as values or strings
 Row: TypeAlias = tuple[Any, ...]
+
+
+def pad_entry(values: object) -> None:
+    """Give a decoded entry written before the last ``ADDED_FIELDS`` their defaults, in place
+    (anything that is not such a list is left as it is)."""
+    if type(values) is list and _OLDEST_LEN <= len(values) <= ROW_LEN:
+        values.extend(default for _, default in ADDED_FIELDS[len(values) - _OLDEST_LEN:])
 
 
 def to_row(event: UsageEventData) -> Row:
@@ -277,8 +297,7 @@ def decode_row(raw: bytes | str) -> Row:
         values = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(f"Unreadable usage event: {exc}") from None
-    if type(values) is list and len(values) == ROW_LEN:
-        values.append(None)  # written before end_user: none
+    pad_entry(values)
     if type(values) is not list or len(values) != ROW_LEN + 1 or values[0] != WIRE_VERSION:
         raise InvalidRequest("Not a version-1 usage event.")
     row = tuple(values[1:])

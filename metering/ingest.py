@@ -128,9 +128,8 @@ def _collect_between_batches() -> Iterator[None]:
 
 def _framed(value: object) -> bool:
     """Return whether a decoded entry looks like a version-1 usage event row (one written
-    before ``end_user`` gets None for it, as ``events.decode_row`` does)."""
-    if type(value) is list and len(value) == events.ROW_LEN:
-        value.append(None)
+    before the last added fields gets their defaults, as ``events.decode_row`` does)."""
+    events.pad_entry(value)
     return (type(value) is list and len(value) == events.ROW_LEN + 1
             and value[0] == events.WIRE_VERSION and type(value[1 + events.I_ORG]) is int
             and type(value[1 + events.I_REQUEST]) is str

@@ -84,6 +84,8 @@ class UsageEvent(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    # of the completion tokens, those the engine's reasoning parser counted as thinking
+    reasoning_tokens = models.PositiveBigIntegerField(default=0)
     queue_ms = models.PositiveIntegerField(null=True, blank=True)
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     total_ms = models.PositiveIntegerField(null=True, blank=True)

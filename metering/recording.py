@@ -90,7 +90,7 @@ EVENT_COLUMNS = (
     "data_zone", "engine", "service_tier", "capacity_source", "prompt_tokens", "cached_tokens",
     "completion_tokens", "queue_ms", "ttft_ms", "total_ms", "status", "cost_to_serve",
     "event_time", "batch_id", "source", "amount", "currency", "price_version_id",
-    "rating_breakdown", "credits_consumed", "normalized_tokens", "end_user",
+    "rating_breakdown", "credits_consumed", "normalized_tokens", "end_user", "reasoning_tokens",
 )
 COPY_EVENTS = f"COPY usage_event ({', '.join(EVENT_COLUMNS)}) FROM STDIN"
 
@@ -257,7 +257,8 @@ def _write_events(cur: Cursor[Any], fresh: Sequence[Row], ratings: Sequence[Rati
                     f"{_N if tot is None else tot}\t{r[16]}\t{r[17]}\t{r[18]}\t"
                     f"{_N if b is None else b}\t{r[20]}\t{g.amount}\t{g.currency}\t"
                     f"{_N if pv is None else pv}\t{_breakdown_json(g.breakdown)}\t"
-                    f"{g.credits_consumed}\t{g.normalized_tokens}\t{_N if u is None else u}\n"
+                    f"{g.credits_consumed}\t{g.normalized_tokens}\t{_N if u is None else u}\t"
+                    f"{r[22]}\n"
                 )
             copy.write("".join(lines))
         else:
@@ -268,7 +269,7 @@ def _write_events(cur: Cursor[Any], fresh: Sequence[Row], ratings: Sequence[Rati
                     r[10], r[11], r[12], r[13], r[14], r[15], r[16], r[17], r[18], r[19], r[20],
                     g.amount, g.currency, g.price_version_id,
                     json.dumps({k: str(v) for k, v in g.breakdown.items()}),
-                    g.credits_consumed, g.normalized_tokens, r[21],
+                    g.credits_consumed, g.normalized_tokens, r[21], r[22],
                 ))
     return rollups
 

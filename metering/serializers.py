@@ -37,6 +37,9 @@ class ExternalUsageEventSerializer(serializers.Serializer):
     prompt_tokens = serializers.IntegerField(min_value=0, max_value=2**53)
     cached_tokens = serializers.IntegerField(min_value=0, max_value=2**53, default=0)
     completion_tokens = serializers.IntegerField(min_value=0, max_value=2**53)
+    reasoning_tokens = serializers.IntegerField(
+        min_value=0, max_value=2**53, default=0,
+        help_text="Of completion_tokens, those the model spent reasoning (billed as output).")
     queue_ms = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
                                         allow_null=True, default=None)
     ttft_ms = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
@@ -53,6 +56,9 @@ class ExternalUsageEventSerializer(serializers.Serializer):
         if attrs["cached_tokens"] > attrs["prompt_tokens"]:
             raise serializers.ValidationError(
                 {"cached_tokens": "cached_tokens cannot exceed prompt_tokens."})
+        if attrs["reasoning_tokens"] > attrs["completion_tokens"]:
+            raise serializers.ValidationError(
+                {"reasoning_tokens": "reasoning_tokens cannot exceed completion_tokens."})
         return attrs
 
 

@@ -66,7 +66,6 @@ ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10, "batch": -20}
 # The engine endpoint of each request kind.
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
          "embedding": "/v1/embeddings"}
-KINDS = {path: kind for kind, path in PATHS.items()}  # a batch's endpoint -> its kind
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ class Served:
     close: Callable[[], Awaitable[None]] | None = None
 
 
-# What a generating model answers (the Batch API runs its chat and completion lines), and
-# what an embedding model does.
+# What a generating model answers (the Batch API runs its chat, completion and Responses
+# lines), and what an embedding model does.
 MODEL_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                    "/v1/batches")
 EMBEDDING_ENDPOINTS = ("/v1/embeddings", "/v1/batches")
@@ -207,6 +207,10 @@ class Surface:
         """What follows the last chunk once the request is metered."""
         return [_sse("[DONE]")]
 
+    async def persist(self) -> None:
+        """Keep the finished answer where the surface lets it be read back (the Responses
+        API's stored responses); nothing for the others."""
+
 
 def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: str,
                 engine: EngineInfo | None, result: CallResult | None, started: datetime,
@@ -230,6 +234,7 @@ def usage_event(*, principal: KeyPrincipal, request_id: str, model: str, tier: s
         "prompt_tokens": result.prompt_tokens if result else 0,
         "cached_tokens": result.cached_tokens if result else 0,
         "completion_tokens": result.completion_tokens if result else 0,
+        "reasoning_tokens": result.reasoning_tokens if result else 0,
         "queue_ms": round(result.queue_ms) if result else None,
         "ttft_ms": round(result.ttft_ms) if result and result.ttft_ms is not None else None,
         "total_ms": round(result.total_ms) if result else None,

@@ -201,7 +201,15 @@ def test_reasoning_tokens_are_the_engines_count_and_billed_as_output(live_gatewa
         assert message.model_extra["reasoning_content"] and message.content
         event = _event(raw.headers["x-request-id"])
         assert event.completion_tokens == 10  # reasoning is output, priced as output
+        assert event.reasoning_tokens == 4  # ...and stored as the engine counted it
         assert event.amount == _priced(event.prompt_tokens, 10)
+
+        # the Responses API reports the same count, from the same stored event
+        answer = client.responses.with_raw_response.create(model="slow", input="Hi",
+                                                           max_output_tokens=10)
+        details = answer.parse().usage.output_tokens_details
+        assert details.reasoning_tokens == 4
+        assert _event(answer.headers["x-request-id"]).reasoning_tokens == 4
 
         with client.chat.completions.with_streaming_response.create(
                 model="slow", messages=HI, max_tokens=6, stream=True,
@@ -210,6 +218,7 @@ def test_reasoning_tokens_are_the_engines_count_and_billed_as_output(live_gatewa
             chunks = list(response.parse())
         final = chunks[-1].usage
         assert final.completion_tokens_details.reasoning_tokens == 4
+        assert _event(response.headers["x-request-id"]).reasoning_tokens == 4
         thought = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
                           for c in chunks if c.choices)
         assert thought == message.model_extra["reasoning_content"]

@@ -63,6 +63,8 @@ def test_invalid_events_are_reported_by_index_and_the_valid_ones_recorded(api_cl
         _external("evt-5", api_key=tenant.key2.public_id),
         _external("evt-6", model="unpriced-model"),
         _external("evt-0"),
+        _external("evt-8", reasoning_tokens=120),
+        _external("evt-9", reasoning_tokens=301),  # more than the completion holds
     ]}
 
     reply = api_client.post(URL, body, format="json", **_auth(tenant.secret))
@@ -70,19 +72,22 @@ def test_invalid_events_are_reported_by_index_and_the_valid_ones_recorded(api_cl
     assert reply.status_code == 200
     data = reply.json()
     assert [(d["index"], d["status"]) for d in data["data"]] == [
-        (0, "recorded"), (5, "recorded"), (7, "duplicate")]
+        (0, "recorded"), (5, "recorded"), (7, "duplicate"), (8, "recorded")]
     assert [(e["index"], e["code"]) for e in data["errors"]] == [
-        (1, "invalid"), (2, "invalid"), (3, "invalid"), (4, "invalid"), (6, "not_rated")]
+        (1, "invalid"), (2, "invalid"), (3, "invalid"), (4, "invalid"), (6, "not_rated"),
+        (9, "invalid")]
     assert "prompt_tokens" in data["errors"][0]["errors"]
     assert "cached_tokens" in data["errors"][2]["errors"]
     assert "project" in data["errors"][3]["errors"]
-    assert data["recorded"] == 2 and data["duplicates"] == 1 and data["rejected"] == 5
+    assert "reasoning_tokens" in data["errors"][5]["errors"]
+    assert data["recorded"] == 3 and data["duplicates"] == 1 and data["rejected"] == 6
     # the key's project by default; a named key brings its own project
     stored = {events.caller_event_id(e.request_id): e for e in UsageEvent.objects.all()}
     assert stored["evt-0"].project_id == tenant.project.id
     assert stored["evt-0"].api_key_id is None and stored["evt-0"].source == "external"
     assert stored["evt-5"].project_id == tenant.project2.id
     assert stored["evt-5"].api_key_id == tenant.key2.id
+    assert (stored["evt-8"].reasoning_tokens, stored["evt-0"].reasoning_tokens) == (120, 0)
 
 
 def test_ingest_is_bulk_up_to_10000(api_client, tenant):

@@ -1,6 +1,7 @@
-"""The end user on usage events (issue 20 item 4, OpenAI's ``user``): bounded and checked by
-``events.normalize``, carried by the wire row (rows written before the field still read, as
-having none), and recorded by both COPY paths of the record path."""
+"""The end user and the reasoning tokens on usage events (issue 20 items 4 and 5: OpenAI's
+``user``, the engine's reasoning count): bounded and checked by ``events.normalize``, carried
+by the wire row (rows written before the fields still read, as having their defaults), and
+recorded by both COPY paths of the record path."""
 
 from __future__ import annotations
 
@@ -35,16 +36,39 @@ def test_the_end_user_round_trips_and_is_recorded_by_both_copy_paths(tenant):
     assert stored == {"req-u1": "alice@example.com", "req-u2": "zoë-42", "req-u3": None}
 
 
-def test_a_row_written_before_the_end_user_reads_as_having_none(tenant):
-    event = events.normalize(tenant.event("req-old", end_user="bob"))
-    old = json.loads(events.encode(event))[:-1]  # the wire form before end_user existed
+@pytest.mark.parametrize("missing", [1, 2], ids=["before-reasoning", "before-end-user"])
+def test_a_row_written_before_the_added_fields_reads_as_having_their_defaults(tenant,
+                                                                               missing):
+    event = events.normalize(tenant.event("req-old", end_user="bob", completion_tokens=9,
+                                          reasoning_tokens=3))
+    old = json.loads(events.encode(event))[:-missing]  # the wire form before those fields
     raw = json.dumps(old).encode()
 
-    assert events.decode(raw).end_user is None
-    assert events.decode_row(raw)[events.I_END_USER] is None
+    decoded = events.decode(raw)
+    assert decoded.reasoning_tokens == 0
+    assert (decoded.end_user is None) == (missing == 2)
+    assert events.decode_row(raw)[events.I_REASONING] == 0
     assert _framed(json.loads(raw))  # the consumer's batch path takes it too
     assert record_rows([events.decode_row(raw)], origin="stream").recorded
-    assert UsageEvent.objects.get(request_id="req-old").end_user is None
+    stored = UsageEvent.objects.get(request_id="req-old")
+    assert (stored.end_user, stored.reasoning_tokens) == ("bob" if missing == 1 else None, 0)
+
+
+def test_reasoning_tokens_are_recorded_by_both_copy_paths_and_bounded(tenant):
+    thinking = events.normalize(tenant.event("req-r1", completion_tokens=9,
+                                             reasoning_tokens=7))
+    quiet = events.normalize(tenant.event("req-r2", completion_tokens=9))
+    assert events.decode(events.encode(thinking)) == thinking and quiet.reasoning_tokens == 0
+    record_rows([events.decode_row(events.encode(thinking))], origin="stream",
+                trusted_text=True)
+    record_rows([events.decode_row(events.encode(quiet))], origin="stream",
+                trusted_text=False)
+    stored = dict(UsageEvent.objects.values_list("request_id", "reasoning_tokens"))
+    assert stored == {"req-r1": 7, "req-r2": 0}
+    # reasoning is part of the completion: never more of it than the completion holds
+    with pytest.raises(InvalidRequest) as info:
+        events.normalize(tenant.event("req-r3", completion_tokens=2, reasoning_tokens=3))
+    assert info.value.param == "reasoning_tokens"
 
 
 @pytest.mark.parametrize("value", ["x" * 257, "tab\there", "back\\slash", "nul\x00", 7, ["a"]])

@@ -34,9 +34,9 @@ from billing_platform.gateway import pipeline
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
 from billing_platform.gateway.batch.standing import Standing, batch_standing
-from billing_platform.gateway.batch.validation import ENDPOINTS
+from billing_platform.gateway.batch.validation import ENDPOINTS, LineRequest
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
-from billing_platform.gateway.services import openai_body, usage_event
+from billing_platform.gateway.services import usage_event
 from billing_platform.gateway.validation import check_token_ids
 from engine_adapter.registry import Fleet
 from engine_adapter.types import (
@@ -95,7 +95,8 @@ def _refused(line: BatchLine, message: str, *, param: str | None, code: str) -> 
 async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
                     regions: set[str] | None, policy: quota.QuotaPolicy | None = None
                     ) -> LineOutcome:
-    req = ENDPOINTS[batch.endpoint](line.body)
+    line_req = ENDPOINTS[batch.endpoint].parse(line.body)
+    req = line_req.req
     try:
         check_token_ids(req, fleet.router.traits(req.model).vocab_size)
     except InvalidRequest as exc:
@@ -106,14 +107,16 @@ async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: K
         if refused is not None:
             return refused
     try:
-        return await _send(line, req=req, fleet=fleet, batch=batch, principal=principal,
-                           regions=regions, ticket=ticket)
+        return await _send(line, line_req=line_req, fleet=fleet, batch=batch,
+                           principal=principal, regions=regions, ticket=ticket)
     finally:
         await pipeline.request_settle(ticket, None)  # no-op once _send settled
 
 
-async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: KeyPrincipal,
-                regions: set[str] | None, ticket: quota.Ticket | None) -> LineOutcome:
+async def _send(line: BatchLine, *, line_req: LineRequest, fleet: Fleet, batch: Batch,
+                principal: KeyPrincipal, regions: set[str] | None, ticket: quota.Ticket | None
+                ) -> LineOutcome:
+    req = line_req.req
     started = datetime.now(tz=UTC)
     call = pipeline.engine_call(fleet.client, principal=principal, req=req, regions=regions,
                                 tier="batch", request_id=line.request_id)
@@ -140,8 +143,12 @@ async def _send(line: BatchLine, *, req, fleet: Fleet, batch: Batch, principal: 
         message = (result.error if result else None) or "the engine failed"
         return LineOutcome(line.id, state=LineState.FAILED, status_code=502,
                            error={"code": "engine_error", "message": message})
-    body = openai_body(call, kind=req.kind, request_id=line.request_id, tier="batch",
-                       model=req.model)
+    surface = line_req.surface(principal=principal, request_id=line.request_id)
+    # ids as /v1 words them; the service tier as OpenAI's batch output says it ("default":
+    # batch is how the line is run and billed, not a tier a request names, and the SDKs'
+    # types know no other)
+    body = surface.body(call, req, line.request_id[4:], "default")
+    await surface.persist()  # a Response line with ``store`` (the default): retrievable
     event = usage_event(principal=principal, request_id=line.request_id, model=req.model,
                         tier="batch", engine=call.tried[-1], result=result, started=started,
                         user=req.user)

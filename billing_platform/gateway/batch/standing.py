@@ -22,6 +22,7 @@ from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.selectors import KeyPrincipal, api_key_principal
 from billing_platform.errors import NotFound
 from billing_platform.gateway import pipeline
+from billing_platform.gateway.batch.validation import ENDPOINTS
 from billing_platform.gateway.models import Batch
 from plans import admission as quota
 
@@ -58,7 +59,7 @@ async def batch_standing(batch: Batch) -> Standing | dict[str, Any]:
                      f"the organization is {principal.org_status}.")
     try:
         placement = await pipeline.placement_resolve(principal=principal, model=batch.model,
-                                                     kind=pipeline.KINDS[batch.endpoint])
+                                                     kind=ENDPOINTS[batch.endpoint].kind)
     except NotFound as exc:  # the data zone, a residency narrowing, the key's models, a price
         return _stop(exc.code, exc.message)
     return Standing(principal=principal, regions=placement.regions,

@@ -15,7 +15,7 @@ reader holds; ``services.batch_validate`` remains the name callers use.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +26,71 @@ from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import InvalidRequest, NotFound
 from billing_platform.gateway.batch import files
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus
-from billing_platform.gateway.pipeline import KINDS, placement_resolve
-from billing_platform.gateway.validation import parse_chat, parse_completion, parse_embeddings
+from billing_platform.gateway.pipeline import placement_resolve
+from billing_platform.gateway.responses import (
+    ResponsesBody,
+    ResponsesSurface,
+    inference_request,
+    parse_responses,
+)
+from billing_platform.gateway.services import Surface
+from billing_platform.gateway.validation import (
+    InferenceRequest,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
 
-ENDPOINTS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion,
-             "/v1/embeddings": parse_embeddings}
 MAX_REPORTED_ERRORS = 1000
+
+
+@dataclass(frozen=True)
+class LineRequest:
+    """One line's request as its endpoint's /v1 validation reads it; a /v1/responses line
+    also keeps its Responses body, so its answer is worded (and stored) as /v1 does."""
+
+    req: InferenceRequest
+    responses: ResponsesBody | None = None
+
+    def surface(self, *, principal: KeyPrincipal, request_id: str) -> Surface:
+        """Return the surface that words this line's answer (OpenAI's chat, completion and
+        embeddings shapes, or a Response)."""
+        if self.responses is None:
+            return Surface()
+        return ResponsesSurface(self.responses, principal=principal, request_id=request_id,
+                                previous_pk=None)
+
+
+def _responses_line(body: Any) -> LineRequest:
+    """A /v1/responses line: a whole conversation in itself (a stored one is not continued,
+    since lines run in any order and a line's own answer may not exist yet)."""
+    parsed = parse_responses(body)
+    if parsed.previous_response_id is not None:
+        raise InvalidRequest("'previous_response_id' is not supported in a batch line; "
+                             "send the conversation's earlier turns in 'input'.",
+                             param="previous_response_id", code="unsupported_parameter")
+    return LineRequest(inference_request(parsed, []), parsed)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A batch endpoint: the kind of request its lines are (``pipeline.PATHS``) and how a
+    line's body is validated."""
+
+    kind: str
+    parse: Callable[[Any], LineRequest]
+
+
+def _plain(parse: Callable[[Any], InferenceRequest]) -> Callable[[Any], LineRequest]:
+    return lambda body: LineRequest(parse(body))
+
+
+ENDPOINTS = {"/v1/chat/completions": Endpoint("chat", _plain(parse_chat)),
+             "/v1/completions": Endpoint("completion", _plain(parse_completion)),
+             "/v1/embeddings": Endpoint("embedding", _plain(parse_embeddings)),
+             "/v1/responses": Endpoint("chat", _responses_line)}
 
 
 @dataclass
@@ -50,7 +107,7 @@ def _line_error(code: str, message: str, line: int, param: str | None = None) ->
 
 def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed], list[dict]]:
     """Parse and check every line; return the lines and the line-level errors (1-based)."""
-    parse = ENDPOINTS[batch.endpoint]
+    parse = ENDPOINTS[batch.endpoint].parse
     parsed: list[_Parsed] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -94,7 +151,7 @@ def _parse_input(batch: Batch, raw_lines: Iterator[bytes]) -> tuple[list[_Parsed
             continue
         body = doc.get("body")
         try:
-            req = parse(body)
+            req = parse(body).req
         except InvalidRequest as exc:
             errors.append(_line_error("invalid_request", exc.message, number,
                                       f"body.{exc.param}" if exc.param else "body"))
@@ -120,7 +177,8 @@ def _model_error(principal: KeyPrincipal, model: str, endpoint: str) -> str | No
     of /v1, so a batch /v1 would refuse fails here rather than wait, never run, until it
     expires."""
     try:
-        asyncio.run(placement_resolve(principal=principal, model=model, kind=KINDS[endpoint]))
+        asyncio.run(placement_resolve(principal=principal, model=model,
+                                      kind=ENDPOINTS[endpoint].kind))
     except NotFound as exc:
         return exc.message
     return None
