@@ -1,4 +1,5 @@
-"""Anthropic's Messages API on the same pipeline: ``POST /v1/messages``.
+"""Anthropic's Messages API on the same pipeline: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``.
 
 Coding tools and Anthropic's SDKs speak this API to any base URL. A Messages body is
 translated into the chat body the engines serve (``parse_chat`` then validates it and computes
@@ -14,7 +15,11 @@ and ``MessagesSurface`` words the answer as Anthropic does:
   ``content_block_delta`` with ``text_delta``, ``content_block_stop``, ``message_delta`` with
   the stop reason and the usage, ``message_stop``), the usage in ``message_delta`` once the
   engine has counted it (the SDK's final message carries it; ``message_start`` says 0);
-- errors as ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's types.
+- errors as ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's types;
+- ``count_tokens`` (``model``, ``messages``, ``system``): ``{"input_tokens": N}``, the prompt
+  the same body would send, counted by an engine of the model (SGLang's ``/v1/tokenize``,
+  through the chat template), so it is what a create call reports as ``input_tokens`` plus
+  ``cache_read_input_tokens``; free, as Anthropic's is (no usage event).
 
 Accepted: ``model``, ``max_tokens`` (required, as Anthropic requires it), ``messages`` (user
 and assistant turns, text content), ``system`` (a string or text blocks), ``stop_sequences``,
@@ -42,6 +47,7 @@ ROLES = ("user", "assistant")
 SERVICE_TIERS = {"auto": "auto", "standard_only": "default"}
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences",
                     "temperature", "top_p", "top_k", "stream", "metadata", "service_tier"})
+COUNT_FIELDS = frozenset({"model", "messages", "system"})
 UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "thinking": "extended thinking",
                "mcp_servers": "MCP servers", "container": "containers"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
@@ -71,21 +77,21 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def chat_body(body: Any) -> dict[str, Any]:
-    """Return the chat completions body a Messages body asks for (raise on what it cannot)."""
+def _fields(body: Any, allowed: frozenset[str], where: str) -> dict[str, Any]:
+    """Return ``body`` if it is an object naming only ``allowed`` fields (raise otherwise)."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     for name in body:
         if name in UNSUPPORTED:
             raise InvalidRequest(f"{name}: {UNSUPPORTED[name]} are not supported on "
-                                 "/v1/messages yet; use /v1/chat/completions.")
-        if name not in FIELDS:
+                                 f"{where} yet; use /v1/chat/completions.")
+        if name not in allowed:
             raise InvalidRequest(f"{name}: Extra inputs are not permitted")
-    max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidRequest("max_tokens: Field required (a positive integer)."
-                             if max_tokens is None else
-                             "max_tokens: Input should be a positive integer.")
+    return body
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """Return the chat messages of a Messages body's ``system`` and ``messages``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages: Field required (a non-empty list of turns).")
@@ -98,6 +104,18 @@ def chat_body(body: Any) -> dict[str, Any]:
             raise InvalidRequest(f"messages.{i}.role: Input should be 'user' or 'assistant'.")
         chat.append({"role": turn["role"],
                      "content": _text(turn.get("content"), f"messages.{i}.content")})
+    return chat
+
+
+def chat_body(body: Any) -> dict[str, Any]:
+    """Return the chat completions body a Messages body asks for (raise on what it cannot)."""
+    body = _fields(body, FIELDS, "/v1/messages")
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidRequest("max_tokens: Field required (a positive integer)."
+                             if max_tokens is None else
+                             "max_tokens: Input should be a positive integer.")
+    chat = _chat_messages(body)
     tier = body.get("service_tier", "auto")
     if tier not in SERVICE_TIERS:
         raise InvalidRequest("service_tier: Input should be 'auto' or 'standard_only'.")
@@ -132,6 +150,15 @@ def chat_body(body: Any) -> dict[str, Any]:
 def parse_messages(body: Any) -> InferenceRequest:
     """Validate a Messages body into the gateway's request (bounds from ``parse_chat``)."""
     return parse_chat(chat_body(body))
+
+
+def parse_count_tokens(body: Any) -> InferenceRequest:
+    """Validate a ``count_tokens`` body (``model``, ``messages``, ``system``) into the request
+    whose prompt the engine counts: the same chat messages ``/v1/messages`` would send, so the
+    count is the ``input_tokens`` plus ``cache_read_input_tokens`` a create call reports."""
+    body = _fields(body, COUNT_FIELDS, "/v1/messages/count_tokens")
+    return parse_chat({"model": body.get("model"), "messages": _chat_messages(body),
+                       "max_tokens": 1})
 
 
 def _usage(call: EngineCall) -> dict[str, int]:

@@ -24,7 +24,12 @@ from billing_platform.errors import (
     Unauthenticated,
 )
 from billing_platform.gateway import pipeline, response_store, services
-from billing_platform.gateway.anthropic import MessagesSurface, anthropic_error, parse_messages
+from billing_platform.gateway.anthropic import (
+    MessagesSurface,
+    anthropic_error,
+    parse_count_tokens,
+    parse_messages,
+)
 from billing_platform.gateway.bodies import GatewayRequest
 from billing_platform.gateway.db_connections import in_thread, unavailable
 from billing_platform.gateway.errors import MethodNotAllowed, openai_error
@@ -162,6 +167,18 @@ async def messages(request: GatewayRequest, principal: KeyPrincipal,
     return await _respond(request, await services.serve(principal=principal, req=req,
                                                         request_id=request_id,
                                                         surface=surface))
+
+
+@openai_endpoint(error=anthropic_error, key_header="x-api-key")
+async def messages_count_tokens(request: GatewayRequest, principal: KeyPrincipal,
+                                request_id: str) -> HttpResponse:
+    """Anthropic's ``count_tokens``: the prompt a Messages body would send, counted by an
+    engine of its model; free (no usage event), as Anthropic's is."""
+    req = parse_count_tokens(_json_body(request))
+    count = await services.count_prompt_tokens(principal=principal, req=req)
+    response = JsonResponse({"input_tokens": count})
+    response["request-id"] = response["x-request-id"] = request_id
+    return response
 
 
 @openai_endpoint()

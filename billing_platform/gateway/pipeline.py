@@ -66,6 +66,7 @@ ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10, "batch": -20}
 # The engine endpoint of each request kind.
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
          "embedding": "/v1/embeddings"}
+TOKENIZE_PATH = "/v1/tokenize"  # SGLang's: a prompt or chat messages, counted by the model
 
 
 @dataclass(frozen=True)

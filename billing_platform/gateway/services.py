@@ -355,6 +355,35 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     return Served(headers=headers, body=surface.body(call, req, request_id[4:], tier))
 
 
+async def count_prompt_tokens(*, principal: KeyPrincipal, req: InferenceRequest) -> int:
+    """Return how many tokens ``req``'s prompt is, as an engine of its model counts it (its
+    tokenizer and chat template, SGLang's ``/v1/tokenize``).
+
+    Placed as a request is (the key's models, its data zone and residency: the prompt goes to
+    an engine, so only where the request itself could run), never admitted or metered: like
+    Anthropic's ``count_tokens``, counting is free, and it is bounded by the organization's
+    in-flight slots and the body limit as every /v1 call is.
+    """
+    placement = await pipeline.placement_resolve(principal=principal, model=req.model,
+                                                 kind=req.kind)
+    call = get_fleet().client.call(
+        model=req.model, path=pipeline.TOKENIZE_PATH,
+        body={"messages": req.engine_body["messages"]}, namespace=principal.org_public_id,
+        prompt_text=req.prompt_text, allowed_regions=placement.regions)
+    try:
+        async with call:
+            count = (call.body or {}).get("count")
+    except NoCapacity as exc:
+        raise pipeline.engine_failure(exc, req=req,
+                                      headers={"retry-after": NO_CAPACITY_RETRY_S}) from exc
+    except EngineError as exc:
+        raise pipeline.engine_failure(exc, req=req) from exc
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise pipeline.engine_failure(EngineError(
+            f"the engine answered no token count: {str(call.body)[:200]}"), req=req)
+    return count
+
+
 def pool_state(model: str, allowed: set[str] | None) -> tuple[bool, bool]:
     """Return (spare, saturated) for ``model``'s healthy engines in ``allowed``.
 

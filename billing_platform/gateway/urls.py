@@ -10,6 +10,7 @@ urlpatterns = [
     path("completions", apis.completions, name="v1-completions"),
     path("embeddings", apis.embeddings, name="v1-embeddings"),
     path("messages", apis.messages, name="v1-messages"),
+    path("messages/count_tokens", apis.messages_count_tokens, name="v1-messages-count-tokens"),
     path("responses", apis.responses, name="v1-responses"),
     path("responses/<str:response_id>", apis.response_detail, name="v1-response"),
     path("responses/<str:response_id>/input_items", apis.response_input_items,

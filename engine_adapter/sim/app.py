@@ -2,8 +2,8 @@
 
 The adapter, the gateway's streaming relay and the metering of usage are tested against this
 server, so it answers exactly where SGLang 0.5 does (``/v1/chat/completions``,
-``/v1/completions``, ``/generate``, health, info, cache and abort endpoints, ``/metrics``)
-with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
+``/v1/completions``, ``/generate``, ``/v1/tokenize``, health, info, cache and abort endpoints,
+``/metrics``) with the same JSON and SSE framing, plus two simulator-only endpoints for tests:
 ``/sim/faults`` (change fault injection at run time) and ``/sim/stats`` (counters).
 
 Known differences from SGLang, on purpose: the cache report is always on (as with
@@ -344,6 +344,34 @@ class SimServer:
         reqs = self._choices(body, req, n, prompt_ids, rid_prefix="cmpl-",
                              max_new_tokens=max_tokens, sampling=body)
         return await self._openai_response(request, body, reqs, model, chat=False)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /v1/tokenize (and /tokenize), as SGLang's ``serving_tokenize``: chat
+        ``messages`` rendered by the chat template (the ids a chat completion would prefill),
+        or a ``prompt`` string or list of strings; nothing is queued or run."""
+        body = await self._body(request)
+        messages, prompt = body.get("messages"), body.get("prompt")
+        tokens: list[int] | list[list[int]]
+        count: int | list[int]
+        try:
+            if messages is not None:
+                if not isinstance(messages, list):
+                    raise ApiError(400, "messages must be a list", "messages")
+                tokens = encode(render_chat(messages))
+                count = len(tokens)
+            elif isinstance(prompt, str):
+                tokens = encode(prompt)
+                count = len(tokens)
+            elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+                tokens = [encode(p) for p in prompt]
+                count = [len(ids) for ids in tokens]
+            else:
+                raise ApiError(400, f"Invalid prompt type: {type(prompt)}. Expected str or "
+                               "List[str].")
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        return JSONResponse({"tokens": tokens, "count": count,
+                             "max_model_len": self.config.context_length})
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings, as SGLang's ``serving_embedding`` with ``--is-embedding``:
@@ -1130,6 +1158,8 @@ def create_app(config: SimConfig) -> Starlette:
         Route("/server_info", server.server_info, methods=["GET"]),
         Route("/flush_cache", server.flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", _route_errors(server.abort_request), methods=["POST"]),
+        *(Route(path, _route_errors(server.tokenize), methods=["POST"])
+          for path in ("/v1/tokenize", "/tokenize")),
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/sim/faults", _route_errors(server.faults), methods=["GET", "POST"]),
         Route("/sim/stats", server.stats, methods=["GET"]),

@@ -102,3 +102,66 @@ def test_stop_sequences_and_errors_in_anthropics_shape(live_gateway):
                                      messages=[{"role": "user", "content": "Write"}])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", " ")
     assert stopped.usage.output_tokens < 50
+
+
+def test_count_tokens_is_the_prompt_a_create_call_sends_and_is_free(live_gateway):
+    key, secret = _key()
+    client = _client(live_gateway, secret)
+    turns = [{"role": "user", "content": "Say hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]},
+             {"role": "user", "content": "And again, at more length please."}]
+
+    counted = client.messages.with_raw_response.count_tokens(
+        model="small", system="You are terse.", messages=turns)
+    assert counted.headers["request-id"].startswith("req_")
+    tokens = counted.parse().input_tokens
+    # the count is the engine's, of the prompt a create call with the same turns sends
+    raw = client.messages.with_raw_response.create(model="small", max_tokens=3,
+                                                   system="You are terse.", messages=turns)
+    message = raw.parse()
+    assert tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert tokens == _event(raw.headers["x-request-id"]).prompt_tokens
+    assert tokens > client.messages.count_tokens(model="small", messages=turns[:1]).input_tokens
+    # ...and counting is free: the create call is the key's only usage event
+    assert list(UsageEvent.objects.filter(api_key=key).values_list("request_id", flat=True)) \
+        == [raw.headers["x-request-id"]]
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "words"), [
+    ({"model": "gpt-9"}, 404, "not_found_error", "gpt-9"),
+    ({"max_tokens": 5}, 400, "invalid_request_error", "max_tokens"),
+    ({"tools": [{"name": "t", "input_schema": {"type": "object"}}]}, 400,
+     "invalid_request_error", "tools"),
+    ({"messages": []}, 400, "invalid_request_error", "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_request_error", "role"),
+    ({"system": 7}, 400, "invalid_request_error", "system"),
+    ({"messages": [{"role": "user", "content": "x" * 9_000_000}]}, 413, "request_too_large",
+     "exceeds"),
+])
+def test_count_tokens_refuses_bad_bodies_in_anthropics_shape(live_gateway, body, status, kind,
+                                                             words):
+    _key_obj, secret = _key()
+    sent = {"model": "small", "messages": [{"role": "user", "content": "x"}], **body}
+    reply = httpx.post(f"{live_gateway.url}/v1/messages/count_tokens", json=sent,
+                       headers={"x-api-key": secret, "anthropic-version": "2023-06-01"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind
+    assert words in error["error"]["message"]
+
+
+def test_count_tokens_needs_a_key_with_the_inference_scope(live_gateway):
+    from tests.factories import OrganizationFactory, ProjectFactory, make_key
+
+    body = {"model": "small", "messages": [{"role": "user", "content": "x"}]}
+    url = f"{live_gateway.url}/v1/messages/count_tokens"
+    anonymous = httpx.post(url, json=body)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["type"] == "authentication_error"
+    _read_key, read_only = make_key(
+        project=ProjectFactory(organization=OrganizationFactory()), scopes=["usage:read"])
+    refused = httpx.post(url, json=body, headers={"x-api-key": read_only})
+    assert refused.status_code == 403
+    assert refused.json()["error"]["type"] == "permission_error"
+    wrong_method = httpx.get(url, headers={"x-api-key": read_only})
+    assert wrong_method.status_code == 405
