@@ -252,6 +252,21 @@ def test_anthropic_messages_bodies_never_get_a_5xx(v1, body):
     assert_survives_anthropic(v1.post("/v1/messages", body))
 
 
+# Anthropic's count_tokens: the turns and system of a Messages body, nothing else
+COUNT_TOKENS = hostile({"model": st.just(MODEL), "messages": st.lists(TURN, min_size=1,
+                                                                      max_size=3)},
+                       {"system": MESSAGES_FIELDS["system"]})
+
+
+@settings(FUZZ, max_examples=100)
+@given(body=bodies(COUNT_TOKENS))
+def test_anthropic_count_tokens_bodies_never_get_a_5xx(v1, body):
+    response = v1.post("/v1/messages/count_tokens", body)
+    assert_survives_anthropic(response)
+    if response.status_code == 200:
+        assert isinstance(response.json()["input_tokens"], int)
+
+
 # OpenAI's Responses API: a string or message items, and its own fields
 RESPONSE_PART = st.fixed_dictionaries(
     {"type": st.sampled_from(["input_text", "input_text", "output_text", "input_image"]),
