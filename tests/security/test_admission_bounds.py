@@ -12,6 +12,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -351,19 +352,49 @@ def _true_worst(kind: str) -> Decimal:
     embedding's is its input's bound alone."""
     if kind == "embedding":
         return admission.prompt_token_bound("hello there", 1) * Decimal(EMBED["input"]) * MICRO
-    bound = admission.prompt_token_bound("user: hello there", 1)
+    bound = admission.prompt_token_bound(
+        "hello there" if kind == "completion" else "user: hello there", 1)
     return (bound * Decimal(BANDED["input"]) + TOKENS * Decimal(BANDED["output"])) * MICRO
 
 
-def _one_request(client: openai.OpenAI, kind: str):
-    if kind == "embedding":
-        return client.embeddings.with_raw_response.create(model="embed", input="hello there")
-    return client.chat.completions.with_raw_response.create(
-        model="banded", messages=HI, max_tokens=TOKENS, extra_body={"ignore_eos": True})
+def _one_request(gateway, secret: str, kind: str):
+    """One request of ``kind`` through its official SDK; a refusal raises ``Refused``."""
+    if kind == "messages":
+        try:
+            return anthropic.Anthropic(base_url=gateway.url, api_key=secret, max_retries=0
+                                       ).messages.with_raw_response.create(
+                model="banded", max_tokens=TOKENS, messages=HI)
+        except anthropic.APIStatusError as exc:  # Anthropic's errors name a type, no code
+            raise Refused(exc.status_code, exc.body["error"]["type"], exc.response) from exc
+    client = _client(gateway, secret)
+    try:
+        if kind == "embedding":
+            return client.embeddings.with_raw_response.create(model="embed", input="hello there")
+        if kind == "completion":
+            return client.completions.with_raw_response.create(
+                model="banded", prompt="hello there", max_tokens=TOKENS,
+                extra_body={"ignore_eos": True})
+        return client.chat.completions.with_raw_response.create(
+            model="banded", messages=HI, max_tokens=TOKENS, extra_body={"ignore_eos": True})
+    except openai.APIStatusError as exc:
+        raise Refused(exc.status_code, exc.code, exc.response) from exc
 
 
-@pytest.mark.parametrize(("kind", "threads"), [("chat", 32), ("chat", 1), ("embedding", 32)],
-                         ids=["200-parallel", "sequential", "embeddings-200-parallel"])
+class Refused(Exception):
+    def __init__(self, status: int, code: str | None, response: httpx.Response) -> None:
+        super().__init__(status, code)
+        self.status, self.code, self.response = status, code, response
+
+
+# What a refusal for the month, and an engine failure, are called on each surface.
+SPEND_REFUSALS = {"messages": {(429, "rate_limit_error"), (502, "api_error")}}
+OPENAI_REFUSALS = {(429, "organization_spend_limit_exceeded"), (502, "engine_error")}
+
+
+@pytest.mark.parametrize(("kind", "threads"), [
+    ("chat", 32), ("chat", 1), ("embedding", 32), ("completion", 32), ("messages", 32)],
+    ids=["200-parallel", "sequential", "embeddings-200-parallel",
+         "completions-200-parallel", "anthropic-messages-200-parallel"])
 def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_it(
         gateway, kind, threads):
     # given a model with a 100x band for prompts over 100,000 tokens (or an embedding model
@@ -372,7 +403,6 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
     org, _key, secret = _tenant()
     budget = Decimal("0.01")
     quotas.budget_set(organization=org, amount=budget, hard=True)
-    client = _client(gateway, secret)
 
     # when 200 callers at once (or one, again and again) send until the budget refuses them
     # for the month, retrying the refusals that only say "retry in a second" (others'
@@ -381,10 +411,10 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
         ids, refusals = [], Counter()
         for _ in range(1000):
             try:
-                raw = _one_request(client, kind)
-            except openai.APIStatusError as exc:
-                refusals[(exc.status_code, exc.code)] += 1
-                if exc.status_code == 429 and int(exc.response.headers["retry-after"]) > 60:
+                raw = _one_request(gateway, secret, kind)
+            except Refused as exc:
+                refusals[(exc.status, exc.code)] += 1
+                if exc.status == 429 and int(exc.response.headers["retry-after"]) > 60:
                     return ids, refusals, True
                 time.sleep(0.02)
                 continue
@@ -406,7 +436,7 @@ def test_spend_reaches_a_hard_budget_to_within_one_worst_case_and_never_passes_i
     ids = [i for r in results for i in r[0]]
     refusals = sum((r[1] for r in results), Counter())
     assert any(r[2] for r in results)
-    assert set(refusals) <= {(429, "organization_spend_limit_exceeded"), (502, "engine_error")}
+    assert set(refusals) <= SPEND_REFUSALS.get(kind, OPENAI_REFUSALS)
     _ingested(ids)
     spend = _spend(org)
     worst = _true_worst(kind)
