@@ -34,6 +34,8 @@ EXTERNAL_PREFIX = "ext:"
 MAX_KEY = MAX_ID + len(EXTERNAL_PREFIX)  # a stored request id
 PLATFORM_ID = re.compile(r"req_[0-9a-f]{32}")
 MAX_USER = 256  # a client's end-user id (OpenAI's ``user``), as the client wrote it
+# Characters no text field of an event may hold (COPY's text format would need them escaped).
+FORBIDDEN = "\t\n\r\\\x00"
 MAX_TOKENS = 2**53  # far beyond any context window; keeps sums inside bigint
 MAX_MS = 2**31 - 1
 # Events are accepted back to this far in the past (batch imports, late spool replays) and
@@ -120,9 +122,16 @@ def _text(value: Any, name: str, *, max_length: int = 200, blank: bool = False) 
             f"{name} must be a {'' if blank else 'non-empty '}string of at most "
             f"{max_length} characters.", param=name,
         )
-    if any(ch in value for ch in "\t\n\r\\\x00"):
+    if any(ch in value for ch in FORBIDDEN):
         raise InvalidRequest(f"{name} must not contain control characters or '\\'.", param=name)
     return value
+
+
+def is_end_user(value: Any) -> bool:
+    """Return whether ``value`` can be an event's end user (a client's ``user``): a string of
+    at most ``MAX_USER`` characters without the characters ``_text`` refuses."""
+    return (isinstance(value, str) and len(value) <= MAX_USER
+            and not any(ch in value for ch in FORBIDDEN))
 
 
 def _time(value: Any, now: datetime | None) -> datetime:

@@ -112,6 +112,10 @@ class UsageEvent(models.Model):
         db_table = "usage_event"
         indexes = [
             models.Index(fields=["organization", "event_time"], name="usage_event_org_time"),
+            # an end user's spend this month (per-end-user budgets); most events name none
+            models.Index(fields=["organization", "end_user", "event_time"],
+                         name="usage_event_org_end_user",
+                         condition=models.Q(end_user__isnull=False)),
         ]
 
     def __str__(self) -> str:

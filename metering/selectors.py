@@ -377,6 +377,16 @@ def rated_spend(*, organization_id: int, project_id: int | None, start: datetime
     return qs.aggregate(s=Sum("amount"))["s"] or Decimal("0")
 
 
+def end_user_spend(*, organization_id: int, end_user: str, start: datetime, end: datetime
+                   ) -> Decimal:
+    """Return the rated amount of the requests naming ``end_user`` in [start, end), across
+    the organization's projects (from the events: the rollups keep no end user; the partial
+    index on (organization, end user, time) makes it one range of that end user's events)."""
+    return UsageEvent.objects.filter(
+        organization_id=organization_id, end_user=end_user, event_time__gte=start,
+        event_time__lt=end).aggregate(s=Sum("amount"))["s"] or Decimal("0")
+
+
 def usage_events_outside_regions(*, zone_regions: Mapping[str, set[str]], limit: int = 1000
                                  ) -> list[dict[str, object]]:
     """Return events of orgs in each data zone that ran in a region not among its regions.

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
 from rest_framework import serializers as drf_serializers
@@ -35,12 +36,14 @@ from plans import serializers as s
 from plans.models import (
     Budget,
     CreditPack,
+    EndUserBudget,
     Plan,
     PriceBook,
     PriceVersion,
     Reservation,
     Subscription,
 )
+from plans.periods import month_bounds
 from plans.rating import quote
 
 STAFF = "staff"
@@ -634,6 +637,102 @@ class BudgetApi(OrgScopedView):
     @extend_schema(responses={204: None})
     def delete(self, request: Request, org_id: str, project_id: str | None = None) -> Response:
         quotas.budget_delete(budget=self._budget(project_id), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class _TextField(drf_serializers.CharField):
+    """A string as sent: a number is not an end user's name (DRF would make 7 into "7")."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class EndUserBudgetWriteSerializer(drf_serializers.Serializer[Any]):
+    end_user = _TextField(
+        allow_null=True, max_length=256, trim_whitespace=False,
+        help_text="The end user as requests name it in `user` (or Anthropic's "
+                  "metadata.user_id); null: the default for each end user without its own.")
+    amount = drf_serializers.DecimalField(max_digits=30, decimal_places=10,
+                                          min_value=Decimal("0.0000000001"))
+
+
+class EndUserBudgetSerializer(drf_serializers.Serializer[Any]):
+    """An end-user budget and, for a named end user, its spend this month."""
+
+    object = drf_serializers.CharField(default="end_user_budget")
+    id = drf_serializers.CharField()
+    end_user = drf_serializers.CharField(allow_null=True)
+    amount = drf_serializers.DecimalField(max_digits=30, decimal_places=10)
+    currency = drf_serializers.CharField()
+    period_start = drf_serializers.DateTimeField()
+    spend = drf_serializers.DecimalField(max_digits=30, decimal_places=10, allow_null=True)
+    updated_at = drf_serializers.DateTimeField()
+
+
+def _end_user_budget_data(budget: EndUserBudget) -> dict[str, Any]:
+    spend = quotas.end_user_spend_now(budget=budget)
+    return {"object": "end_user_budget", "id": budget.public_id, "end_user": budget.end_user,
+            "amount": str(budget.amount), "currency": budget.currency,
+            "period_start": month_bounds(timezone.now())[0].isoformat(),
+            "spend": None if spend is None else str(spend),
+            "updated_at": budget.updated_at.isoformat()}
+
+
+class EndUserBudgetListApi(PlansOrgView):
+    """Hard monthly budgets per end user (the ``user`` of a request): GET lists them (the
+    default first; ``end_user`` narrows to one, ``limit`` 1-100 and ``after`` an id page the
+    rest); PUT creates or replaces one (``end_user`` null: the default for each end user)."""
+
+    permission_for = {"GET": "read", "PUT": "org.write"}
+
+    @extend_schema(responses=EndUserBudgetSerializer(many=True))
+    def get(self, request: Request, org_id: str) -> Response:
+        limit_text = request.query_params.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise InvalidRequest("'limit' must be an integer from 1 to 100.", param="limit")
+        rows = quotas.end_user_budgets_of(organization=self.org,
+                                          end_user=request.query_params.get("end_user"))
+        after = request.query_params.get("after")
+        if after is not None:
+            anchor = rows.filter(public_id=after).first()
+            if anchor is None:
+                raise InvalidRequest("'after' is not an end-user budget of this organization.",
+                                     param="after")
+            rows = rows.filter(end_user__isnull=False)  # the default comes first
+            if anchor.end_user is not None:
+                rows = rows.filter(id__gt=anchor.id)
+        page = list(rows[:int(limit_text) + 1])
+        more = len(page) > int(limit_text)
+        page = page[:int(limit_text)]
+        return Response({"object": "list", "data": [_end_user_budget_data(b) for b in page],
+                         "has_more": more, "last_id": page[-1].public_id if page else None})
+
+    @extend_schema(request=EndUserBudgetWriteSerializer, responses=EndUserBudgetSerializer)
+    def put(self, request: Request, org_id: str) -> Response:
+        body = EndUserBudgetWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        budget = quotas.end_user_budget_set(organization=self.org,
+                                            acting_user=request.user, **body.validated_data)
+        return Response(_end_user_budget_data(budget))
+
+
+class EndUserBudgetDetailApi(PlansOrgView):
+    """One end-user budget: GET, DELETE (that end user falls back to the default)."""
+
+    permission_for = {"GET": "read", "DELETE": "org.write"}
+
+    def _budget(self, budget_id: str) -> EndUserBudget:
+        return get_object_or_404(EndUserBudget, organization=self.org, public_id=budget_id)
+
+    @extend_schema(responses=EndUserBudgetSerializer)
+    def get(self, request: Request, org_id: str, budget_id: str) -> Response:
+        return Response(_end_user_budget_data(self._budget(budget_id)))
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, org_id: str, budget_id: str) -> Response:
+        quotas.end_user_budget_delete(budget=self._budget(budget_id), acting_user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

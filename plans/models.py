@@ -665,6 +665,45 @@ class Budget(models.Model):
         super().save(*args, **kwargs)
 
 
+class EndUserBudget(models.Model):
+    """A hard monthly spend limit on the requests of one of an organization's end users (the
+    ``user`` a request names, as resellers name their own customers), or, with ``end_user``
+    null, on each end user that has no limit of its own.
+
+    ``amount`` is in the organization's currency per calendar month (UTC), spent across all
+    its projects and keys; admission reserves each named request's worst case against it, so
+    it is never exceeded. Requests that name no end user are not limited by it.
+    """
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="end_user_budgets")
+    # NULL, not "": the default for every end user without a row of its own
+    end_user = models.CharField(max_length=256, null=True, blank=True)  # noqa: DJ001
+    amount = _money_field()
+    currency = models.CharField(max_length=3)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "end_user"],
+                                    name="one_budget_per_end_user"),
+            models.UniqueConstraint(fields=["organization"], condition=Q(end_user__isnull=True),
+                                    name="one_default_end_user_budget"),
+            models.CheckConstraint(condition=Q(amount__gt=0),
+                                   name="end_user_budget_amount_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"end-user budget {self.amount} {self.currency} ({self.end_user or 'each'})"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.public_id:
+            self.public_id = public_id("eub")
+        super().save(*args, **kwargs)
+
+
 class BudgetAlert(models.Model):
     """One threshold crossed in one period: sent at most once (the unique constraint).
 

@@ -24,15 +24,17 @@ from typing import Any
 
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization, Project
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import InvalidRequest
-from metering.selectors import rated_spend
+from metering.events import MAX_USER, is_end_user
+from metering.selectors import end_user_spend, rated_spend
 from plans import admission
 from plans.admission import scripts
-from plans.models import Budget, BudgetAlert
+from plans.models import Budget, BudgetAlert, EndUserBudget
 from plans.periods import month_bounds
 from plans.webhooks import budget_alert_webhook_enqueue, webhook_url_check
 
@@ -222,3 +224,90 @@ def budget_sweep() -> dict[str, Any]:
     for budget in Budget.objects.select_related("organization", "project"):
         results[budget.public_id] = budget_reconcile(budget=budget)
     return results
+
+
+# --- per-end-user budgets ------------------------------------------------------------------
+
+# An organization's end users with a budget of their own (besides its default): each row is
+# held in every cached policy of the organization, so their number is bounded.
+MAX_END_USER_BUDGETS = 10_000
+
+
+def end_user_budgets_of(*, organization: Organization, end_user: str | None = None
+                        ) -> QuerySet[EndUserBudget]:
+    """Return the organization's end-user budgets (the default first), or the one of
+    ``end_user``."""
+    rows = EndUserBudget.objects.filter(organization=organization)
+    if end_user is not None:
+        rows = rows.filter(end_user=end_user)
+    named = ExpressionWrapper(Q(end_user__isnull=False), output_field=BooleanField())
+    return rows.annotate(named=named).order_by("named", "id")
+
+
+def end_user_spend_now(*, budget: EndUserBudget, at: datetime | None = None) -> Decimal | None:
+    """Return the end user's spend this month (max of Redis's live count and PostgreSQL's
+    rated events); None for the default, which limits each end user apart."""
+    from billing_platform.redis_conn import get_redis
+
+    if budget.end_user is None:
+        return None
+    at = at or timezone.now()
+    start, end = month_bounds(at)
+    pg = end_user_spend(organization_id=budget.organization_id, end_user=budget.end_user,
+                        start=start, end=end)
+    rule = admission.BudgetRule(budget_id=budget.id, scope="end_user", limit=budget.amount,
+                                hard=True, spent_seed=Decimal(0), suspended=False,
+                                period_tag=admission.end_user_digest(budget.end_user),
+                                end_user=budget.end_user)
+    raw = get_redis().hget(admission.rule_key(budget.organization_id, rule, f"{at:%Y%m}"),
+                           "spent")
+    return max(pg, admission.from_micro(raw)) if raw is not None else pg
+
+
+def end_user_budget_set(*, organization: Organization, end_user: str | None,
+                        amount: Decimal | str, acting_user: Any) -> EndUserBudget:
+    """Create or change the hard monthly budget of one end user (``end_user`` as requests
+    name it in ``user``), or with None the default for each end user without one.
+
+    Admission enforces it within the policy cache's TTL (``POLICY_TTL_S``); spend already
+    made this month counts against a new or lowered amount.
+    """
+    amount = Decimal(str(amount))
+    if not amount.is_finite() or amount <= 0:
+        raise InvalidRequest("'amount' must be a positive decimal.", param="amount")
+    if end_user is not None and (not is_end_user(end_user) or not end_user):
+        raise InvalidRequest(f"'end_user' must be a non-empty string of at most {MAX_USER} "
+                             "characters, without tabs, line breaks, backslashes or NUL "
+                             "(as a request's 'user'), or null for the default.",
+                             param="end_user")
+    with transaction.atomic():
+        # the organization's row serializes its budgets' creation (the count below)
+        Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        rows = EndUserBudget.objects.filter(organization=organization)
+        budget = (rows.filter(end_user=end_user) if end_user is not None
+                  else rows.filter(end_user__isnull=True)).first()
+        before = None if budget is None else str(budget.amount)
+        if budget is None:
+            if end_user is not None and EndUserBudget.objects.filter(
+                    organization=organization).count() >= MAX_END_USER_BUDGETS:
+                raise InvalidRequest(f"An organization has at most {MAX_END_USER_BUDGETS} "
+                                     "end-user budgets; set a default for the rest.",
+                                     param="end_user")
+            budget = EndUserBudget(organization=organization, end_user=end_user,
+                                   currency=organization.currency)
+        budget.amount, budget.updated_at = amount, timezone.now()
+        budget.save()
+        audit_record(acting_user=acting_user, organization=organization,
+                     action="end_user_budget.set", target=budget.public_id,
+                     before=None if before is None else {"amount": before},
+                     after={"end_user": end_user, "amount": str(amount)})
+    return budget
+
+
+@transaction.atomic
+def end_user_budget_delete(*, budget: EndUserBudget, acting_user: Any) -> None:
+    """Remove an end-user budget (that end user falls back to the default, if any)."""
+    audit_record(acting_user=acting_user, organization=budget.organization_id,
+                 action="end_user_budget.delete", target=budget.public_id,
+                 before={"end_user": budget.end_user, "amount": str(budget.amount)})
+    budget.delete()

@@ -39,6 +39,10 @@ urlpatterns = [
     path(f"{ORG}/budget/", apis.BudgetApi.as_view(), name="budget-org"),
     path(f"{ORG}/projects/<str:project_id>/budget/", apis.BudgetApi.as_view(),
          name="budget-project"),
+    path(f"{ORG}/end_user_budgets/", apis.EndUserBudgetListApi.as_view(),
+         name="end-user-budget-list"),
+    path(f"{ORG}/end_user_budgets/<str:budget_id>/", apis.EndUserBudgetDetailApi.as_view(),
+         name="end-user-budget-detail"),
     path(f"{ORG}/quota_audit/", apis.QuotaAuditApi.as_view(), name="quota-audit"),
     path("audit/residency/", apis.ResidencyAuditApi.as_view(), name="audit-residency"),
 ]

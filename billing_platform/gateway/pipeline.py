@@ -155,7 +155,8 @@ def admission_policy(policy: quota.QuotaPolicy, *, tier: str, regions: set[str] 
     """
     if tier == "batch":
         policy = replace(policy, provisioned=None, rpm=(), tpm=())
-        if not (policy.budgets or policy.window or policy.plan_exhausted):
+        if not (policy.budgets or policy.window or policy.plan_exhausted
+                or policy.end_users):
             return None
         return policy
     if policy.provisioned is not None and regions is not None and (
@@ -178,9 +179,9 @@ async def request_admit(policy: quota.QuotaPolicy | None, *, principal: KeyPrinc
     try:
         return await quota.aadmit(policy, request_id=request_id, tier=tier,
                                   zone=principal.data_zone, prompt_tokens=req.prompt_bound,
-                                  max_output=req.max_output)
+                                  max_output=req.max_output, end_user=req.user)
     except RedisError as exc:
-        if any(b.hard for b in policy.budgets):
+        if any(b.hard for b in policy.budgets) or policy.end_user_limit(req.user):
             raise Unavailable("Quota enforcement is unavailable, and this organization has a "
                               "hard budget; retry shortly.", code="quota_unavailable",
                               headers={"retry-after": "1"}) from exc

@@ -26,6 +26,7 @@ from typing import Any
 
 from billing_platform.errors import InvalidRequest
 from billing_platform.gateway import pipeline
+from metering.events import MAX_USER, is_end_user
 from plans.admission import prompt_token_bound
 
 SERVICE_TIERS = ("auto", "default", "priority", "flex")
@@ -50,10 +51,8 @@ GATEWAY_FIELDS = frozenset({"model", "stream_options", "service_tier", "n", "max
 DROPPED = frozenset({"metadata", "store", "prompt_cache_key", "safety_identifier"})
 # OpenAI takes n up to 128; each choice is reserved in full, so a large n only reserves more.
 MAX_N = 128
-# ``user`` is stored on the usage event (metering.events.MAX_USER) and grouped by in
-# /api/v1/usage; characters the event store refuses are refused here, with OpenAI's param.
-MAX_USER = 256
-_USER_FORBIDDEN = "\t\n\r\\\x00"
+# ``user`` is stored on the usage event (metering.events.is_end_user) and grouped by in
+# /api/v1/usage; what the event store refuses is refused here, with OpenAI's param.
 # The engine field that carries the output bound, per endpoint (the one SGLang honours).
 OUTPUT_FIELD = {"chat": "max_completion_tokens", "completion": "max_tokens"}
 # Which of the two fields a client sent is the bound, in the engine's own order.
@@ -150,8 +149,7 @@ def _user(body: dict[str, Any]) -> str | None:
     user = body.get("user")
     if user is None:
         return None
-    if not isinstance(user, str) or len(user) > MAX_USER or any(
-            c in user for c in _USER_FORBIDDEN):
+    if not is_end_user(user):
         raise InvalidRequest(f"'user' must be a string of at most {MAX_USER} characters, "
                              "without tabs, line breaks, backslashes or NUL.", param="user")
     return user or None

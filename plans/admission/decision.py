@@ -167,7 +167,8 @@ class Ticket:
 
 
 SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
-               "project": "project_spend_limit_exceeded"}
+               "project": "project_spend_limit_exceeded",
+               "end_user": "end_user_spend_limit_exceeded"}
 
 
 def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
@@ -260,6 +261,11 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue],
 
 
 def spend_limit_error(rule: BudgetRule, headers: dict[str, str]) -> QuotaExceeded:
+    if rule.scope == "end_user":
+        return QuotaExceeded(
+            f"The end user {rule.end_user!r} (the request's 'user') reached its monthly "
+            f"spend limit ({rule.limit.normalize():f}). Raise that end user's budget or wait "
+            "for the next month.", code=SPEND_CODES[rule.scope], headers=headers)
     who = "organization" if rule.scope == "organization" else "project"
     return QuotaExceeded(
         f"You exceeded your {who}'s monthly spend limit ({rule.limit.normalize():f}). "

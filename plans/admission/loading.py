@@ -9,6 +9,7 @@ uses admission's key names and scripts, and admission imports nothing of quotas.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -17,11 +18,12 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
-from metering.selectors import rated_spend
+from metering.selectors import end_user_spend, rated_spend
 from plans.admission.policy import (
     DEFAULT_USAGE_TIER,
     USAGE_TIERS,
     BudgetRule,
+    EndUserLimits,
     ProvisionedRule,
     QuotaPolicy,
     WindowRule,
@@ -31,6 +33,7 @@ from plans.choices import ANY_MODEL, CapPolicy, OverflowPolicy, PlanKind
 from plans.models import (
     Budget,
     CreditCoefficient,
+    EndUserBudget,
     PriceBook,
     QuotaLimit,
     Subscription,
@@ -198,4 +201,24 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
         budgets=tuple(budgets), pricing=_pricing_for(org, sub, model, now),
         allowed_regions=regions, provisioned=_provisioned_for(organization_id, model, now),
         plan_exhausted=_plan_exhausted(sub, now), currency=org.currency,
-        window=_window_rule(sub, model, now))
+        window=_window_rule(sub, model, now), end_users=_end_user_limits(organization_id))
+
+
+def _end_user_limits(organization_id: int) -> EndUserLimits | None:
+    rows = EndUserBudget.objects.filter(organization_id=organization_id).values_list(
+        "id", "end_user", "amount")
+    if not rows:
+        return None
+    named = {user: (pk, amount) for pk, user, amount in rows if user is not None}
+    default = next(((pk, amount) for pk, user, amount in rows if user is None), None)
+    return EndUserLimits(default=default, named=named)
+
+
+def end_user_seed(*, organization_id: int, rule: BudgetRule) -> BudgetRule:
+    """Return ``rule`` (an end user's) seeded with that end user's rated spend this month:
+    read only when Redis holds no spend for it yet (the first request of the month, or after
+    Redis lost it)."""
+    start, end = month_bounds(timezone.now())
+    return replace(rule, spent_seed=end_user_spend(organization_id=organization_id,
+                                                   end_user=rule.end_user, start=start,
+                                                   end=end))

@@ -19,6 +19,10 @@ touches one slot):
 - ``tg:q:{o1}:bud:<budget id>:<YYYYMM>``  HASH ``spent``, ``reserved`` in integer micro-units
   of the org's currency (1e-6), always rounded UP, so Redis never under-counts spend.
   ``spent`` is seeded from PostgreSQL (hourly rollups) when the key is missing.
+- ``tg:q:{o1}:eub:<budget id>:<end user digest>:<YYYYMM>``  HASH like a budget's: one end
+  user's spend under a per-end-user budget (``EndUserBudget``), seeded from that end user's
+  rated events this month when missing. The digest (blake2b) keeps the client's ``user``
+  text out of key names and reservation members.
 - ``tg:q:{o1}:res``  ZSET of reservations scored by expiry (ms); a member is
   ``"<request id> <key> <micro> ..."``: what the request holds, per budget or window key.
   Settlement removes it and gives back what it names; one left by a crashed gateway is
@@ -39,8 +43,10 @@ touches one slot):
 
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 from functools import cached_property
@@ -91,7 +97,14 @@ def rule_key(org_id: int, rule: BudgetRule, month: str) -> str:
     """Return the Redis key of a budget rule; ``month`` is ``YYYYMM`` (UTC)."""
     if rule.scope == "plan":
         return f"{_tag(org_id)}:plan:{rule.budget_id}:{rule.period_tag}"
+    if rule.scope == "end_user":
+        return f"{_tag(org_id)}:eub:{rule.budget_id}:{rule.period_tag}:{month}"
     return _budget_key(org_id, rule.budget_id, month)
+
+
+def end_user_digest(end_user: str) -> str:
+    """Return the fixed-length name of an end user in Redis keys."""
+    return hashlib.blake2b(end_user.encode(), digest_size=12).hexdigest()
 
 
 def rate_key(org_id: int, scope: str) -> str:
@@ -146,7 +159,7 @@ def from_micro(micro: int | str | bytes) -> Decimal:
 @dataclass(frozen=True)
 class BudgetRule:
     budget_id: int
-    scope: str  # "organization" | "project"
+    scope: str  # "organization" | "project" | "plan" | "end_user"
     limit: Decimal
     hard: bool
     spent_seed: Decimal  # this month's rated spend in PostgreSQL when the policy was read
@@ -154,7 +167,20 @@ class BudgetRule:
     # A token plan's period credits ride the same machinery: scope "plan", amounts in credits
     # (coefficients per token class: input, cached_input, output), key named by the period.
     coefficients: tuple[Decimal, Decimal, Decimal] | None = None
-    period_tag: str = ""
+    period_tag: str = ""  # a plan's period; an end user's digest
+    end_user: str = ""  # an end-user rule's end user, as the client named it
+
+
+@dataclass(frozen=True)
+class EndUserLimits:
+    """An organization's per-end-user budgets: (budget id, monthly amount) of each end user
+    that has its own, and the default for each that has not (None: no default)."""
+
+    default: tuple[int, Decimal] | None = None
+    named: Mapping[str, tuple[int, Decimal]] = field(default_factory=dict)
+
+    def of(self, end_user: str) -> tuple[int, Decimal] | None:
+        return self.named.get(end_user, self.default)
 
 
 @dataclass(frozen=True)
@@ -200,6 +226,21 @@ class QuotaPolicy:
     plan_exhausted: str = ""  # non-empty: a blocking token plan is out of credits (why)
     currency: str = "USD"
     window: WindowRule | None = None
+    end_users: EndUserLimits | None = None  # None: the organization limits no end user
+
+    def end_user_limit(self, end_user: str | None) -> BudgetRule | None:
+        """Return the rule (seed not yet known: 0) that limits requests naming ``end_user``,
+        or None when none does."""
+        found = self.end_users.of(end_user) if self.end_users and end_user else None
+        if found is None or not end_user:
+            return None
+        return BudgetRule(budget_id=found[0], scope="end_user", limit=found[1], hard=True,
+                          spent_seed=Decimal(0), suspended=False,
+                          period_tag=end_user_digest(end_user), end_user=end_user)
+
+    def with_rule(self, rule: BudgetRule) -> QuotaPolicy:
+        """Return this policy with one more budget rule (one request's end user's)."""
+        return replace(self, budgets=(*self.budgets, rule))
 
     @cached_property
     def rate_scopes(self) -> tuple[tuple[str, int, int], ...]:

@@ -34,7 +34,15 @@ from plans.admission.decision import (
     rate_headers,
     spend_limit_error,
 )
-from plans.admission.policy import QuotaExceeded, QuotaPolicy, rate_key, window_key
+from plans.admission.policy import (
+    BudgetRule,
+    QuotaExceeded,
+    QuotaPolicy,
+    month_tag,
+    rate_key,
+    rule_key,
+    window_key,
+)
 from plans.metrics import POLICY_RELOAD_FAILURES, timed_admission
 
 log = logging.getLogger(__name__)
@@ -244,10 +252,26 @@ def _batcher() -> _Batcher:
     return batcher
 
 
+async def _end_user_rule(policy: QuotaPolicy, rule: BudgetRule) -> BudgetRule:
+    """Return an end user's rule with its seed: read from PostgreSQL only when Redis holds
+    no spend for that end user this month (one EXISTS per request that names an end user of
+    an organization with end-user budgets; the spend is then Redis's, as a budget's is)."""
+    if await get_aredis().exists(rule_key(policy.org_id, rule, month_tag())):
+        return rule
+    return await sync_to_async(loading.end_user_seed, thread_sensitive=False)(
+        organization_id=policy.org_id, rule=rule)
+
+
 @timed_admission
 async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
-                 prompt_tokens: int, max_output: int) -> Ticket:
-    """Admit one request or raise ``QuotaExceeded``; the returned ticket must be settled."""
+                 prompt_tokens: int, max_output: int, end_user: str | None = None) -> Ticket:
+    """Admit one request or raise ``QuotaExceeded``; the returned ticket must be settled.
+
+    ``end_user`` is the request's ``user``: an organization's per-end-user budget limits it
+    as one more hard budget, in the same atomic step."""
+    rule = policy.end_user_limit(end_user)
+    if rule is not None:
+        policy = policy.with_rule(await _end_user_rule(policy, rule))
     for rule in policy.budgets:
         if rule.suspended:
             raise spend_limit_error(rule, {"retry-after": "60"})

@@ -59,6 +59,8 @@ SEND_GRACE_S = 0.01  # probe no sooner than this after starting lines (they must
 # Admission answers that end the batch: the remaining lines go to the error file unbilled.
 STOP_CODES = {"organization_spend_limit_exceeded", "project_spend_limit_exceeded",
               "plan_quota_exhausted"}
+# ...and those that fail only their line (its end user's budget is spent; others' are not).
+LINE_CODES = {"end_user_spend_limit_exceeded"}
 
 
 async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: BatchLine
@@ -72,12 +74,12 @@ async def _admit(policy: quota.QuotaPolicy, principal: KeyPrincipal, req, line: 
         ticket = await pipeline.request_admit(policy, principal=principal, req=req,
                                               tier="batch", request_id=line.request_id)
     except quota.QuotaExceeded as exc:
-        if exc.code not in STOP_CODES:
+        if exc.code not in STOP_CODES and exc.code not in LINE_CODES:
             return None, LineOutcome(line.id, retry=True)  # rate limits: later
         error = {"message": exc.message, "type": "rate_limit_error", "param": None,
                  "code": exc.code}
         return None, LineOutcome(line.id, state=LineState.FAILED, status_code=429,
-                                 response={"error": error}, stop=True,
+                                 response={"error": error}, stop=exc.code in STOP_CODES,
                                  error={"code": exc.code, "message": exc.message})
     except Unavailable:
         return None, LineOutcome(line.id, retry=True)  # never run past a hard budget
