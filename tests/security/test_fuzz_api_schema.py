@@ -93,6 +93,7 @@ def _world() -> dict[str, Any]:
     """An organization with a member of every role, a target member, keys, a subscription, a
     reservation, an invoice; the catalogue (price book, token plan, credit pack, offering)."""
     from billing_platform.invoicing import services as invoicing
+    from plans import quotas
     from plans import services as plans
 
     created = timezone.now() - timedelta(days=70)
@@ -111,6 +112,8 @@ def _world() -> dict[str, Any]:
                                              starts_at=created)
     reservation = plans.reservation_create(organization=org, offering=offering, units=1,
                                            term="monthly", starts_at=created)
+    end_user_budget = quotas.end_user_budget_set(organization=org, end_user="fuzz-user",
+                                                 amount="5", acting_user=users[Role.OWNER])
     invoicing.period_close_run(org_ids=[org.id], enqueue_payments=False)
     invoice = org.invoices.order_by("id").first()
     staff = User.objects.create_user(email="staff@tollgate.example", password="x" * 12,
@@ -122,7 +125,7 @@ def _world() -> dict[str, Any]:
             "key_id": key.public_id, "member_id": target.pk,
             "invoice_id": invoice.public_id if invoice else "inv_missing",
             "sub_id": subscription.public_id, "reservation_id": reservation.public_id,
-            "version_id": book.versions.first().pk,
+            "version_id": book.versions.first().pk, "budget_id": end_user_budget.public_id,
         },
         "codes": {"/api/v1/price_books/": book.code, "/api/v1/plans/": plan.code},
     }
