@@ -2,7 +2,9 @@
 
 Every test against the real engine needs the same steps: a free port, the recipe's launch
 line, a process group of its own (SGLang forks a scheduler and a detokenizer), a wait until
-``/health`` answers that fails fast when the server dies, and a stop of the whole group.
+``/health`` answers that fails fast when the server dies, and a stop of the whole group;
+``gateway_on_real_sglang`` puts a live gateway in front of it, for the tests that call it
+through the official SDK.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from engine_adapter.sglang_cpu import launch_spec, resolve_paths, wait_healthy
@@ -50,3 +54,33 @@ def real_sglang(log_path: Path, *, served_model_name: str, extra_args: Sequence[
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=10)
+
+
+@dataclass
+class RealEngine:
+    """What ``register_engine`` needs to know of an engine."""
+
+    base_url: str
+    model: str
+
+
+@contextmanager
+def gateway_on_real_sglang(tmp_path: Path, env: dict[str, str], *, model: str,
+                           extra_args: Sequence[str] = ()) -> Iterator[openai.OpenAI]:
+    """Run real SGLang serving ``model`` (us-east) behind a live gateway; yield an ``openai``
+    client with a fresh key of a new organization. The caller prices the model."""
+    from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
+    from tests.gateway.test_openai_api import _key
+
+    with real_sglang(tmp_path / "sglang.log", served_model_name=model,
+                     extra_args=extra_args) as base_url:
+        gateway = None
+        try:
+            register_engine(RealEngine(base_url, model), pool="real-us",  # type: ignore[arg-type]
+                            region="us-east", zone="us")
+            gateway = start_gateway(tmp_path, env=env)
+            _key_obj, secret = _key()
+            yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=secret, max_retries=0)
+        finally:
+            if gateway is not None:
+                stop_gateway(gateway)

@@ -96,6 +96,23 @@ def upload(client: openai.OpenAI, lines: list) -> str:
     return client.files.create(file=("batch.jsonl", io.BytesIO(raw)), purpose="batch").id
 
 
+def run_here(client: openai.OpenAI, lines: list, endpoint: str) -> Batch:
+    """Create a batch of ``lines`` through the SDK and run it in this process, as a worker
+    would (validation, then runner slices until it ends, a minute at most)."""
+    from billing_platform.gateway.batch import runner
+    from billing_platform.gateway.batch import services as batch_services
+
+    created = client.batches.create(input_file_id=upload(client, lines), endpoint=endpoint,
+                                    completion_window="24h")
+    batch = batch_services.batch_validate(batch_id=Batch.objects.get(public_id=created.id).pk)
+    deadline = time.monotonic() + 60
+    while Batch.objects.get(pk=batch.pk).status == "in_progress" and (
+            time.monotonic() < deadline):
+        runner.batch_run(batch_id=batch.pk, slice_s=2)
+    batch.refresh_from_db()
+    return batch
+
+
 def wait_status(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...],
                 timeout: float = 60):
     def done():

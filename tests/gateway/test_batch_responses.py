@@ -8,18 +8,15 @@ response, a stream, a tool) fails the batch at validation with its line and para
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from billing_platform.gateway.batch import runner
-from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchLine
 from metering.models import UsageEvent
 from tests.gateway.conftest import drain_usage
-from tests.gateway.test_batch_api import MODEL, BatchStack, fast_stack, upload
+from tests.gateway.test_batch_api import MODEL, BatchStack, fast_stack, run_here
 
 
 @pytest.fixture
@@ -34,14 +31,7 @@ def _line(i: int, **body) -> dict:
 
 
 def _run(client: openai.OpenAI, lines: list[dict]) -> Batch:
-    created = client.batches.create(input_file_id=upload(client, lines),
-                                    endpoint="/v1/responses", completion_window="24h")
-    batch = batch_services.batch_validate(batch_id=Batch.objects.get(public_id=created.id).pk)
-    deadline = time.monotonic() + 60
-    while Batch.objects.get(pk=batch.pk).status == "in_progress" and (
-            time.monotonic() < deadline):
-        runner.batch_run(batch_id=batch.pk, slice_s=2)
-    return batch
+    return run_here(client, lines, "/v1/responses")
 
 
 def test_response_lines_are_responses_metered_at_the_batch_tier_and_stored(stack):

@@ -6,7 +6,6 @@ files.content(output_file_id) parsed, and one usage event per line at tier ``bat
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -20,21 +19,13 @@ from tests.gateway.test_batch_api import (
     upload,
     wait_status,
 )
-from tests.real_sglang import real_sglang
+from tests.real_sglang import RealEngine, real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="the SGLang CPU environment is not set up; run "
                            "`python -m engine_adapter.sglang_cpu setup` first")
 
 MODEL = "small"  # the served name; the weights are the CPU recipe's tiny model
-
-
-@dataclass
-class RealEngine:
-    """What ``register_engine`` needs to know of an engine."""
-
-    base_url: str
-    model: str
 
 
 def test_sdk_batch_completes_on_real_sglang(transactional_db, tmp_path, settings,

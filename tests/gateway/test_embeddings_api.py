@@ -11,7 +11,6 @@ Real SGLang's side of the same wire is ``tests/engine_adapter/test_embeddings_sg
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from decimal import Decimal
 
@@ -20,7 +19,6 @@ import openai
 import pytest
 
 from billing_platform.accounts.choices import DataZone
-from billing_platform.gateway.batch import runner
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.models import Batch, BatchLine
 from billing_platform.invoicing import selectors as invoicing
@@ -28,7 +26,7 @@ from engine_adapter.sim.testing import FAST_RATES, start_sim
 from metering.models import UsageEvent
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, register_engine, start_gateway, stop_gateway
-from tests.gateway.test_batch_api import upload
+from tests.gateway.test_batch_api import run_here, upload
 from tests.gateway.test_openai_api import _event
 
 PRICE = Decimal("0.02")  # per million input tokens
@@ -243,14 +241,8 @@ def test_batch_embeddings_lines_run_and_bill_at_the_batch_tier(gateway, settings
     lines = [{"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
               "body": {"model": "embed", "input": [f"item {i}", f"label {i}"],
                        "encoding_format": "float"}} for i in range(6)]
-    created = client.batches.create(input_file_id=upload(client, lines),
-                                    endpoint="/v1/embeddings", completion_window="24h")
-    batch = batch_services.batch_validate(batch_id=Batch.objects.get(public_id=created.id).pk)
-    assert batch.status == "in_progress"
-    deadline = time.monotonic() + 60
-    while Batch.objects.get(pk=batch.pk).status == "in_progress" and (
-            time.monotonic() < deadline):
-        runner.batch_run(batch_id=batch.pk, slice_s=2)
+    batch = run_here(client, lines, "/v1/embeddings")
+    assert batch.status == "completed"
 
     done = list(BatchLine.objects.filter(batch=batch, state="completed"))
     assert len(done) == 6

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-import openai
 import pytest
 
 from engine_adapter.sglang_cpu import is_ready
 from tests.factories import make_price_book
-from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
-from tests.gateway.test_batch_sglang import RealEngine
-from tests.gateway.test_openai_api import _event, _key
-from tests.real_sglang import real_sglang
+from tests.gateway.test_openai_api import _event
+from tests.real_sglang import gateway_on_real_sglang
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="the SGLang CPU environment is not set up; run "
@@ -31,42 +28,31 @@ ASK = [{"role": "user", "content": "Think it over."}]
 def test_reasoning_tokens_are_the_engines_count_stored_and_billed(transactional_db, tmp_path,
                                                                    metering_stream):
     make_price_book(prices=[{"model": MODEL, "input": "1.00", "output": "2.00"}])
-    gateway = None
-    with real_sglang(tmp_path / "sglang.log", served_model_name=MODEL,
-                     extra_args=("--reasoning-parser", "deepseek-r1")) as base_url:
-        try:
-            register_engine(RealEngine(base_url, MODEL), pool="real-us",  # type: ignore[arg-type]
-                            region="us-east", zone="us")
-            gateway = start_gateway(tmp_path, env=metering_stream)
-            _key_obj, secret = _key()
-            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=secret, max_retries=0)
+    with gateway_on_real_sglang(tmp_path, metering_stream, model=MODEL,
+                                extra_args=("--reasoning-parser", "deepseek-r1")) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ASK, max_tokens=12, seed=1)
+        answer = raw.parse()
+        usage = answer.usage
+        assert usage.completion_tokens == 12
+        assert usage.completion_tokens_details.reasoning_tokens == 12
+        assert answer.choices[0].message.model_extra["reasoning_content"]
+        event = _event(raw.headers["x-request-id"])
+        assert (event.completion_tokens, event.reasoning_tokens) == (12, 12)
+        # reasoning is output, priced as output
+        assert event.amount == (event.prompt_tokens * Decimal("1.00")
+                                + 12 * Decimal("2.00")) / 1_000_000
 
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=ASK, max_tokens=12, seed=1)
-            answer = raw.parse()
-            usage = answer.usage
-            assert usage.completion_tokens == 12
-            assert usage.completion_tokens_details.reasoning_tokens == 12
-            assert answer.choices[0].message.model_extra["reasoning_content"]
-            event = _event(raw.headers["x-request-id"])
-            assert (event.completion_tokens, event.reasoning_tokens) == (12, 12)
-            # reasoning is output, priced as output
-            assert event.amount == (event.prompt_tokens * Decimal("1.00")
-                                    + 12 * Decimal("2.00")) / 1_000_000
+        with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=ASK, max_tokens=8, stream=True, seed=2,
+                stream_options={"include_usage": True}) as response:
+            chunks = list(response.parse())
+        final = chunks[-1].usage
+        assert final.completion_tokens_details.reasoning_tokens == 8
+        assert _event(response.headers["x-request-id"]).reasoning_tokens == 8
 
-            with client.chat.completions.with_streaming_response.create(
-                    model=MODEL, messages=ASK, max_tokens=8, stream=True, seed=2,
-                    stream_options={"include_usage": True}) as response:
-                chunks = list(response.parse())
-            final = chunks[-1].usage
-            assert final.completion_tokens_details.reasoning_tokens == 8
-            assert _event(response.headers["x-request-id"]).reasoning_tokens == 8
-
-            replied = client.responses.with_raw_response.create(model=MODEL, input="Think.",
-                                                                max_output_tokens=6)
-            details = replied.parse().usage.output_tokens_details
-            assert details.reasoning_tokens == 6
-            assert _event(replied.headers["x-request-id"]).reasoning_tokens == 6
-        finally:
-            if gateway is not None:
-                stop_gateway(gateway)
+        replied = client.responses.with_raw_response.create(model=MODEL, input="Think.",
+                                                            max_output_tokens=6)
+        details = replied.parse().usage.output_tokens_details
+        assert details.reasoning_tokens == 6
+        assert _event(replied.headers["x-request-id"]).reasoning_tokens == 6

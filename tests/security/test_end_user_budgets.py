@@ -22,16 +22,14 @@ import openai
 import pytest
 from django.db.models import Sum
 
-from billing_platform.gateway.batch import runner
-from billing_platform.gateway.batch import services as batch_services
-from billing_platform.gateway.models import Batch, BatchLine
+from billing_platform.gateway.models import BatchLine
 from billing_platform.redis_conn import get_redis
 from engine_adapter.sim.testing import FAST_RATES, start_sim
 from metering.models import UsageEvent
 from plans import admission, quotas
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_price_book
 from tests.gateway.conftest import drain_usage, register_engine, start_gateway, stop_gateway
-from tests.gateway.test_batch_api import upload
+from tests.gateway.test_batch_api import run_here
 from tests.security.test_admission_bounds import HI, MICRO, SMALL, TOKENS, _ingested
 
 DEFAULT = Decimal("0.002")  # each end user's, about 25 requests
@@ -167,19 +165,13 @@ def test_batch_lines_beyond_an_end_users_budget_fail_alone(reseller):
     lines = [{"custom_id": f"{user}-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "small", "messages": HI, "max_tokens": 4, "user": user}}
              for i in range(3) for user in ("dave", "erin")]
-    created = client.batches.create(input_file_id=upload(client, lines),
-                                    endpoint="/v1/chat/completions", completion_window="24h")
-    batch = batch_services.batch_validate(batch_id=Batch.objects.get(public_id=created.id).pk)
-    deadline = time.monotonic() + 60
-    while Batch.objects.get(pk=batch.pk).status == "in_progress" and (
-            time.monotonic() < deadline):
-        runner.batch_run(batch_id=batch.pk, slice_s=2)
+    batch = run_here(client, lines, "/v1/chat/completions")
 
     outcome = {x.custom_id: (x.state, x.status_code) for x in
                BatchLine.objects.filter(batch=batch)}
     assert outcome == {**{f"dave-{i}": ("failed", 429) for i in range(3)},
                        **{f"erin-{i}": ("completed", 200) for i in range(3)}}
-    assert Batch.objects.get(pk=batch.pk).status == "completed"
+    assert batch.status == "completed"
     refusal = BatchLine.objects.filter(batch=batch, custom_id="dave-0").get().response
     assert refusal["error"]["code"] == "end_user_spend_limit_exceeded"
     drain_usage()
