@@ -8,9 +8,12 @@ server, so it answers exactly where SGLang 0.5 does (``/v1/chat/completions``,
 
 Known differences from SGLang, on purpose: the cache report is always on (as with
 ``--enable-cache-report``), batch inputs are refused, fault injection mid-body applies to
-``n=1`` answers without logprobs or reasoning only, and ``/health`` says only
+``n=1`` answers without logprobs or reasoning only, ``/health`` says only
 that the process is up (SGLang's with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``; the
-generating probe is ``/health_generate``).
+generating probe is ``/health_generate``), and constrained output (``response_format``,
+forced tool calls: ``sim/structured.py``) is one well-formed answer drawn from the schema,
+worded as ``tool_calls`` on the single plain choice only (with ``n`` > 1, logprobs or
+reasoning the call's JSON is the content).
 
 Length: one class per SGLang surface would scatter what must be read side by side with
 SGLang's own ``http_server.py`` to keep the wire shapes identical; it is a test stand-in, and
@@ -42,6 +45,7 @@ from starlette.routing import Route
 from engine_adapter.sim.config import Faults, SimConfig
 from engine_adapter.sim.engine import Engine, SimRequest
 from engine_adapter.sim.metrics import render_metrics
+from engine_adapter.sim.structured import ToolCall, constrained, tool_choice_error
 from engine_adapter.sim.tokenizer import TemplateError, encode, render_chat, word
 
 SIM_VERSION = "0.5.0-tollgate-sim"
@@ -310,6 +314,9 @@ class SimServer:
             prompt_ids = encode(render_chat(messages))
         except TemplateError as exc:
             raise ApiError(400, str(exc), "messages") from exc
+        refused = tool_choice_error(body)
+        if refused is not None:
+            raise ApiError(400, refused, "tool_choice")
         max_tokens = _opt_int(body, "max_completion_tokens", minimum=0)
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens", minimum=0)
@@ -318,7 +325,12 @@ class SimServer:
         )
         reqs = self._choices(body, req, n, prompt_ids, rid_prefix="chatcmpl-",
                              max_new_tokens=max_tokens, sampling=body)
-        return await self._openai_response(request, body, reqs, model, chat=True)
+        grammar = constrained(body, server_seed=self.config.seed,
+                              request_seed=req.request_seed, prompt_ids=prompt_ids)
+        for each in reqs if grammar is not None else ():
+            each.fixed_text = grammar.text
+        return await self._openai_response(request, body, reqs, model, chat=True,
+                                           tool_call=grammar and grammar.tool_call)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
@@ -423,7 +435,7 @@ class SimServer:
 
     async def _openai_response(
         self, request: Request, body: dict[str, Any], reqs: list[SimRequest], model: str, *,
-        chat: bool
+        chat: bool, tool_call: ToolCall | None = None
     ) -> Response:
         stream = bool(body.get("stream", False))
         options = body.get("stream_options") or {}
@@ -443,7 +455,7 @@ class SimServer:
                 continuous_usage=continuous), stream=stream, include_usage=include_usage)
         req = reqs[0]
         renderer = _OpenAIRenderer(req, model=model, created=created, chat=chat,
-                                   continuous_usage=continuous)
+                                   continuous_usage=continuous, tool_call=tool_call)
         return _EngineCall(
             self.engine,
             req,
@@ -662,9 +674,11 @@ class _OpenAIRenderer:
     """Chat and legacy completion bodies and chunks, as SGLang's serving_chat/completions."""
 
     def __init__(self, req: SimRequest, *, model: str, created: int, chat: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, tool_call: ToolCall | None = None) -> None:
         self.req = req
         self.continuous_usage = continuous_usage
+        # a forced call: its text is worded as OpenAI's tool_calls (SGLang's JSON-array path)
+        self.tool_call = tool_call
         self.base = {
             "id": req.rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -690,9 +704,37 @@ class _OpenAIRenderer:
         choice.update(logprobs=None, finish_reason=finish, matched_stop=matched)
         return choice
 
+    def _finish(self) -> tuple[str | None, Any]:
+        finish, matched = _finish(self.req)
+        if self.tool_call is not None and finish == "stop":
+            return "tool_calls", None  # the call is whole: SGLang says so
+        return finish, matched
+
+    def _call_delta(self, call: ToolCall, piece: str) -> dict[str, Any] | None:
+        """Return the tool-call delta of a forced call's next piece (None: nothing to say):
+        the call's id, type and name first, then its arguments as they are written."""
+        end = len(self.req.text)
+        start, at = end - len(piece), call.arguments_at
+        part = call.arguments[max(0, start - at):max(0, end - at)]
+        if not self.sent_role:
+            self.sent_role = True
+            return {"role": "assistant", "content": None, "tool_calls": [{
+                "index": 0, "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": part}}]}
+        if not part:
+            return None
+        return {"tool_calls": [{"index": 0, "function": {"arguments": part}}]}
+
     def chunks(self, event: str, text: str = "", include_usage: bool = False) -> list[bytes]:
         """Return the SSE frames for a token (``event="token"``) or the end (``"end"``)."""
         usage = _usage(self.req) if self.continuous_usage else None
+        if event == "token" and self.tool_call is not None:
+            delta = self._call_delta(self.tool_call, text)
+            if delta is None:
+                return []
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                      "matched_stop": None}
+            return [_sse({**self.base, "choices": [choice], "usage": usage})]
         if event == "token" and (self.sent_role or not self.chat):
             # every later token's frame is the same but for its text and usage: render the
             # rest once
@@ -707,7 +749,7 @@ class _OpenAIRenderer:
         if event == "token":
             return [_sse({**self.base, "choices": [self._choice(text, None, None)],
                           "usage": usage})]
-        finish, matched = _finish(self.req)
+        finish, matched = self._finish()
         frames = [
             _sse({**self.base, "choices": [self._choice(None, finish, matched)], "usage": usage})
         ]
@@ -718,14 +760,17 @@ class _OpenAIRenderer:
 
     def full(self) -> dict[str, Any]:
         """Return the non-streaming body."""
-        finish, matched = _finish(self.req)
+        finish, matched = self._finish()
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
+            call = self.tool_call if finish == "tool_calls" else None
             choice["message"] = {
                 "role": "assistant",
-                "content": self.req.text,
+                "content": "" if call is not None else self.req.text,
                 "reasoning_content": None,
-                "tool_calls": None,
+                "tool_calls": None if call is None else [{
+                    "id": call.call_id, "index": 0, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}],
             }
         else:
             choice["text"] = self.req.text

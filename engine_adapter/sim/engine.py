@@ -17,14 +17,14 @@ import itertools
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter.sim.config import Faults, SimConfig
 from engine_adapter.sim.radix import Node, RadixCache
 from engine_adapter.sim.stats import Stats
-from engine_adapter.sim.tokenizer import EOS_TOKEN_ID, completion_stream
+from engine_adapter.sim.tokenizer import EOS_TOKEN_ID, completion_stream, piece_id, split_pieces
 
 START_ORDER_KEEP = 1000
 CRASH_EXIT_CODE = 17
@@ -43,6 +43,8 @@ class SimRequest:
     priority: int = 0
     namespace: Hashable = None
     request_seed: int | None = None
+    # the text a grammar makes the engine write (``sim.structured``), instead of free text
+    fixed_text: str | None = None
     log_metrics: bool = True  # SGLang's flag: False for health probes, which count nowhere
     # progress
     state: str = "new"  # new -> waiting -> running -> finished
@@ -338,12 +340,9 @@ class Engine:
             limit = min(limit, req.max_new_tokens)
         started = time.monotonic()
         last = started
-        tokens = completion_stream(
-            server_seed=config.seed,
-            request_seed=req.request_seed,
-            prompt_ids=req.prompt_ids,
-            ignore_eos=req.ignore_eos,
-        )
+        tokens = _fixed_stream(req.fixed_text) if req.fixed_text is not None else (
+            completion_stream(server_seed=config.seed, request_seed=req.request_seed,
+                              prompt_ids=req.prompt_ids, ignore_eos=req.ignore_eos))
         longest_stop = max((len(s) for s in req.stop), default=0)
         for step, (token_id, piece) in enumerate(tokens, start=1):
             if step > limit:
@@ -436,3 +435,11 @@ class Engine:
             return False
         self.cache.reset()
         return True
+
+
+def _fixed_stream(text: str) -> Iterator[tuple[int, str]]:
+    """Yield (token id, piece) of a grammar's text, then EOS: a grammar that reaches its end
+    stops the generation whatever ``ignore_eos`` says, as SGLang's does."""
+    for piece in split_pieces(text):
+        yield piece_id(piece), piece
+    yield EOS_TOKEN_ID, ""
