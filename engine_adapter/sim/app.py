@@ -325,8 +325,13 @@ class SimServer:
         )
         reqs = self._choices(body, req, n, prompt_ids, rid_prefix="chatcmpl-",
                              max_new_tokens=max_tokens, sampling=body)
-        grammar = constrained(body, server_seed=self.config.seed,
-                              request_seed=req.request_seed, prompt_ids=prompt_ids)
+        try:
+            grammar = constrained(body, server_seed=self.config.seed,
+                                  request_seed=req.request_seed, prompt_ids=prompt_ids)
+        except (TypeError, ValueError, AttributeError, KeyError, RecursionError) as exc:
+            # what SGLang's grammar backend does with a schema it cannot compile
+            raise ApiError(400, f"Failed to build the grammar of the request's JSON schema: "
+                           f"{exc}") from exc
         for each in reqs if grammar is not None else ():
             each.fixed_text = grammar.text
         return await self._openai_response(request, body, reqs, model, chat=True,

@@ -28,6 +28,9 @@ from typing import Any
 from engine_adapter.sim.tokenizer import word
 
 MAX_DEPTH = 8  # nesting drawn at most; deeper schemas get their simplest value
+# A schema may ask for more than any answer holds (the output bound cuts it there, as on
+# SGLang): the drawn text stops growing past these.
+MAX_STRING, MAX_ITEMS = 2048, 64
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ def _number(schema: dict[str, Any], rng: random.Random, *, integer: bool) -> int
 
 
 def _string(schema: dict[str, Any], rng: random.Random) -> str:
-    least, most = int(schema.get("minLength", 1)), int(schema.get("maxLength", 24))
+    least = min(int(schema.get("minLength", 1)), MAX_STRING)
+    most = min(max(least, int(schema.get("maxLength", 24))), MAX_STRING)
     text = ""
     while len(text) < least:
         text = f"{text} {word(rng.randrange(1000))}".strip()
@@ -104,8 +108,8 @@ def sample(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         return {name: sample(sub, rng, depth + 1) for name, sub in props.items()
                 if name in required or rng.random() < 0.5}
     if kind == "array":
-        least = int(schema.get("minItems", 0 if depth >= MAX_DEPTH else 1))
-        most = max(least, int(schema.get("maxItems", least + 2)))
+        least = min(int(schema.get("minItems", 0 if depth >= MAX_DEPTH else 1)), MAX_ITEMS)
+        most = min(max(least, int(schema.get("maxItems", least + 2))), MAX_ITEMS)
         return [sample(schema.get("items") or {}, rng, depth + 1)
                 for _ in range(rng.randint(least, most))]
     if kind == "string":
