@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -84,3 +85,20 @@ def gateway_on_real_sglang(tmp_path: Path, env: dict[str, str], *, model: str,
         finally:
             if gateway is not None:
                 stop_gateway(gateway)
+
+
+@contextmanager
+def side_by_side(log_dir: Path, *, model: str, extra_args: Sequence[str] = (),
+                 **sim_options: Any) -> Iterator[dict[str, str]]:
+    """Run real SGLang and the simulator serving ``model`` alike (``sim_options`` are the
+    simulator's words for ``extra_args``); yield their base URLs by kind, "sglang" and
+    "sim", for conformance tests that send both the same requests."""
+    from engine_adapter.sim.testing import FAST_RATES, start_sim
+
+    sim = start_sim(served_model_name=model, **{**FAST_RATES, **sim_options})
+    try:
+        with real_sglang(log_dir / "sglang.log", served_model_name=model,
+                         extra_args=extra_args) as url:
+            yield {"sglang": url, "sim": sim.base_url}
+    finally:
+        sim.stop()

@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from engine_adapter.sglang_cpu import is_ready
-from engine_adapter.sim.testing import FAST_RATES, start_sim
-from tests.real_sglang import real_sglang
+from tests.real_sglang import side_by_side
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="run `python -m engine_adapter.sglang_cpu setup` first")
@@ -49,13 +48,9 @@ def _clean_redis() -> None:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Iterator[dict[str, str]]:
-    log = tmp_path_factory.mktemp("sglang-structured") / "sglang.log"
-    sim = start_sim(served_model_name=MODEL, **FAST_RATES)
-    try:
-        with real_sglang(log, served_model_name=MODEL, extra_args=FLAGS) as url:
-            yield {"sglang": url, "sim": sim.base_url}
-    finally:
-        sim.stop()
+    with side_by_side(tmp_path_factory.mktemp("sglang-structured"), model=MODEL,
+                      extra_args=FLAGS) as urls:
+        yield urls
 
 
 def _chat(url: str, **body) -> httpx.Response:

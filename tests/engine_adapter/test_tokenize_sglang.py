@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from engine_adapter.sglang_cpu import is_ready
-from engine_adapter.sim.testing import FAST_RATES, start_sim
-from tests.real_sglang import real_sglang
+from tests.real_sglang import side_by_side
 
 pytestmark = pytest.mark.skipif(
     not is_ready(), reason="run `python -m engine_adapter.sglang_cpu setup` first")
@@ -34,13 +33,8 @@ def _clean_redis() -> None:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Iterator[dict[str, str]]:
-    log = tmp_path_factory.mktemp("sglang-tokenize") / "sglang.log"
-    sim = start_sim(served_model_name=MODEL, **FAST_RATES)
-    try:
-        with real_sglang(log, served_model_name=MODEL) as url:
-            yield {"sglang": url, "sim": sim.base_url}
-    finally:
-        sim.stop()
+    with side_by_side(tmp_path_factory.mktemp("sglang-tokenize"), model=MODEL) as urls:
+        yield urls
 
 
 def _post(url: str, path: str, body: dict) -> httpx.Response:
