@@ -24,6 +24,19 @@ import pytest
 from engine_adapter.sglang_cpu import launch_spec, resolve_paths, wait_healthy
 from engine_adapter.sim.testing import free_port
 
+PORT_ATTEMPTS = 3  # SGLang binds its port ~30 s after start-up: another process may take it
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+
 
 @contextmanager
 def real_sglang(log_path: Path, *, served_model_name: str, extra_args: Sequence[str] = (),
@@ -31,30 +44,32 @@ def real_sglang(log_path: Path, *, served_model_name: str, extra_args: Sequence[
     """Run one real SGLang server and yield its base URL; it logs to ``log_path``.
 
     A server that dies or is not healthy in ``timeout`` seconds fails the test with the end of
-    its log. However the block ends, the server's process group is stopped.
+    its log, unless it died because its port was taken meanwhile (SGLang binds it only once
+    its tokenizer is up): then it starts again on another port, a few times. However the
+    block ends, the server's process group is stopped.
     """
-    port = free_port()
-    argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
-                            served_model_name=served_model_name, extra_args=extra_args)
-    with log_path.open("w") as out:
-        server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    try:
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        argv, env = launch_spec(model_dir=resolve_paths().model_dir, port=port,
+                                served_model_name=served_model_name, extra_args=extra_args)
+        with log_path.open("w") as out:
+            server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         base_url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(base_url, timeout=timeout, is_alive=lambda: server.poll() is None)
+            wait_healthy(base_url, timeout=timeout,
+                         is_alive=lambda s=server: s.poll() is None)
         except (RuntimeError, TimeoutError) as exc:
-            pytest.fail(f"{exc}\n{log_path.read_text(errors='replace')[-3000:]}")
+            _stop(server)
+            log = log_path.read_text(errors="replace")
+            if "address already in use" in log and attempt < PORT_ATTEMPTS:
+                continue
+            pytest.fail(f"{exc}\n{log[-3000:]}")
+        break
+    try:
         yield base_url
     finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=10)
+        _stop(server)
 
 
 @dataclass
