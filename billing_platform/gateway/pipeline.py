@@ -46,6 +46,7 @@ from billing_platform.errors import (
 )
 from engine_adapter.client import EngineCall, EngineClient
 from engine_adapter.registry import get_fleet
+from engine_adapter.router import Router
 from engine_adapter.types import (
     CallResult,
     EngineBadRequest,
@@ -133,6 +134,25 @@ async def placement_resolve(*, principal: KeyPrincipal, model: str, kind: str) -
             "/v1/models lists each model's endpoints).", code="unsupported_model",
             param="model")
     return Placement(regions=regions, policy=policy)
+
+
+def request_check(req: InferenceRequest, router: Router) -> None:
+    """Refuse, once the request is placed, what the model's engines cannot read: token-id
+    input, when the fleet does not know the model's vocabulary (SGLang does not check ids,
+    and one past the vocabulary fails the engine), else ids at or past it. Every surface
+    calls it (``services.serve``, the batch runner's lines)."""
+    arrays = req.engine_body.get("input") if req.kind == "embedding" else None
+    if not arrays or isinstance(arrays[0], str):
+        return
+    vocab_size = router.traits(req.model).vocab_size
+    if vocab_size is None:
+        raise InvalidRequest(f"The model '{req.model}' takes text input only here: send "
+                             "'input' as strings.", param="input")
+    for i, ids in enumerate(arrays):
+        if max(ids) >= vocab_size:
+            raise InvalidRequest(f"'input[{i}]' has token id {max(ids)}; the model's "
+                                 f"vocabulary has {vocab_size} (ids 0 to {vocab_size - 1}).",
+                                 param=f"input[{i}]")
 
 
 def output_bound(asked: int | None) -> int:

@@ -24,7 +24,7 @@ from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import RateLimited
 from billing_platform.gateway import pipeline
 from billing_platform.gateway.db_connections import in_thread
-from billing_platform.gateway.validation import InferenceRequest, check_token_ids
+from billing_platform.gateway.validation import InferenceRequest
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
 from engine_adapter.types import CallResult, EngineError, EngineInfo, NoCapacity
@@ -313,7 +313,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     started = datetime.now(tz=UTC)
     placement = await pipeline.placement_resolve(principal=principal, model=req.model,
                                                  kind=req.kind)
-    check_token_ids(req, get_fleet().router.traits(req.model).vocab_size)
+    pipeline.request_check(req, get_fleet().router)
     tier = _serving_tier(req, placement.regions)
     ticket = await pipeline.request_admit(
         pipeline.admission_policy(placement.policy, tier=tier, regions=placement.regions),

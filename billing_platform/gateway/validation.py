@@ -309,7 +309,7 @@ def parse_embeddings(body: Any) -> InferenceRequest:
 
     The prompt bound is every input's (a text's bytes and its special tokens; an array's
     length); nothing is generated, so nothing is reserved for output. Token ids are checked
-    against the model's vocabulary when the request is placed (``check_token_ids``).
+    against the model's vocabulary when the request is placed (``pipeline.request_check``).
     """
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
@@ -335,20 +335,3 @@ def parse_embeddings(body: Any) -> InferenceRequest:
     return InferenceRequest("embedding", common.model, False, False, common.tier,
                             "\n".join(texts), engine_body, prompt_bound=bound, max_output=0,
                             user=common.user)
-
-
-def check_token_ids(req: InferenceRequest, vocab_size: int | None) -> None:
-    """Refuse token-id input the model's engines cannot read: any, when the fleet does not
-    know the model's vocabulary (SGLang does not check ids, and one past the vocabulary
-    fails the engine), else ids at or past it."""
-    arrays = req.engine_body.get("input") if req.kind == "embedding" else None
-    if not arrays or isinstance(arrays[0], str):
-        return
-    if vocab_size is None:
-        raise InvalidRequest(f"The model '{req.model}' takes text input only here: send "
-                             "'input' as strings.", param="input")
-    for i, ids in enumerate(arrays):
-        if max(ids) >= vocab_size:
-            raise InvalidRequest(f"'input[{i}]' has token id {max(ids)}; the model's "
-                                 f"vocabulary has {vocab_size} (ids 0 to {vocab_size - 1}).",
-                                 param=f"input[{i}]")

@@ -37,7 +37,6 @@ from billing_platform.gateway.batch.standing import Standing, batch_standing
 from billing_platform.gateway.batch.validation import ENDPOINTS, LineRequest
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
 from billing_platform.gateway.services import usage_event
-from billing_platform.gateway.validation import check_token_ids
 from engine_adapter.registry import Fleet
 from engine_adapter.types import (
     EngineBadRequest,
@@ -100,7 +99,7 @@ async def _run_line(line: BatchLine, *, fleet: Fleet, batch: Batch, principal: K
     line_req = ENDPOINTS[batch.endpoint].parse(line.body)
     req = line_req.req
     try:
-        check_token_ids(req, fleet.router.traits(req.model).vocab_size)
+        pipeline.request_check(req, fleet.router)
     except InvalidRequest as exc:
         return _refused(line, exc.message, param=exc.param, code=exc.code)
     ticket = None
