@@ -255,10 +255,8 @@ def end_user_spend_now(*, budget: EndUserBudget, at: datetime | None = None) -> 
     start, end = month_bounds(at)
     pg = end_user_spend(organization_id=budget.organization_id, end_user=budget.end_user,
                         start=start, end=end)
-    rule = admission.BudgetRule(budget_id=budget.id, scope="end_user", limit=budget.amount,
-                                hard=True, spent_seed=Decimal(0), suspended=False,
-                                period_tag=admission.end_user_digest(budget.end_user),
-                                end_user=budget.end_user)
+    rule = admission.end_user_rule(budget_id=budget.id, limit=budget.amount,
+                                   end_user=budget.end_user)
     raw = get_redis().hget(admission.rule_key(budget.organization_id, rule, f"{at:%Y%m}"),
                            "spent")
     return max(pg, admission.from_micro(raw)) if raw is not None else pg

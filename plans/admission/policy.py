@@ -171,6 +171,13 @@ class BudgetRule:
     end_user: str = ""  # an end-user rule's end user, as the client named it
 
 
+def end_user_rule(*, budget_id: int, limit: Decimal, end_user: str) -> BudgetRule:
+    """Return the hard rule of one end user's budget (seed not yet known: 0)."""
+    return BudgetRule(budget_id=budget_id, scope="end_user", limit=limit, hard=True,
+                      spent_seed=Decimal(0), suspended=False,
+                      period_tag=end_user_digest(end_user), end_user=end_user)
+
+
 @dataclass(frozen=True)
 class EndUserLimits:
     """An organization's per-end-user budgets: (budget id, monthly amount) of each end user
@@ -234,9 +241,7 @@ class QuotaPolicy:
         found = self.end_users.of(end_user) if self.end_users and end_user else None
         if found is None or not end_user:
             return None
-        return BudgetRule(budget_id=found[0], scope="end_user", limit=found[1], hard=True,
-                          spent_seed=Decimal(0), suspended=False,
-                          period_tag=end_user_digest(end_user), end_user=end_user)
+        return end_user_rule(budget_id=found[0], limit=found[1], end_user=end_user)
 
     def with_rule(self, rule: BudgetRule) -> QuotaPolicy:
         """Return this policy with one more budget rule (one request's end user's)."""

@@ -139,10 +139,7 @@ def test_the_limit_holds_after_redis_loses_the_count(reseller):
 
     # when Redis loses the end user's count (a flush, a failover)
     budget = quotas.end_user_budgets_of(organization=org).get(end_user__isnull=True)
-    rule = admission.BudgetRule(budget_id=budget.id, scope="end_user", limit=DEFAULT,
-                                hard=True, spent_seed=Decimal(0), suspended=False,
-                                period_tag=admission.end_user_digest("carol"),
-                                end_user="carol")
+    rule = admission.end_user_rule(budget_id=budget.id, limit=DEFAULT, end_user="carol")
     key = admission.rule_key(org.id, rule, admission.month_tag())
     assert get_redis().delete(key) == 1
 
