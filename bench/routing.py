@@ -11,7 +11,11 @@ Prints one JSON line per fleet:
 "imbalance", "mean_queue_ms"}, ...}}; imbalance = max/mean requests per engine (from each
 engine's own request counter); mean_queue_ms from the engines' queue-time histograms.
 ``max_possible_hit_rate`` is the workload's bound: per request, the longest prefix it shares
-with an earlier request of the same tenant, over all prompt text.
+with an earlier request of the same tenant, over all prompt text. ``cache_aware_xN`` sends the
+workload round-robin through N routers (N gateway processes: each its own prefix indexes and
+in-flight counts, loads shared through Redis as the gateway shares them), with
+``hit_rate_vs_one_process`` its hit rate over one router's (``--processes``, default 4;
+``--redis-url``, default ``REDIS_URL``).
 
     .venv/bin/python bench/routing.py --fleet sim            # 8 simulated engines, ~1 min
     .venv/bin/python bench/routing.py --fleet sglang         # 2 real SGLang CPU engines
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine_adapter.client import EngineClient
+from engine_adapter.load_share import LoadShare
 from engine_adapter.metrics import parse_engine_load
 from engine_adapter.router import Router
 from engine_adapter.sim.testing import free_port, start_sim
@@ -152,15 +159,26 @@ def flush(urls: list[str]) -> None:
 
 
 async def run_policy(policy: str, engines: list[EngineInfo], convs, *, concurrency: int,
-                     max_tokens: int, bound: float) -> tuple[int, int]:
-    router = Router(engines, policy=policy, bound=bound)
-    client = EngineClient(router, first_byte_timeout=600)
+                     max_tokens: int, bound: float, processes: int = 1,
+                     redis_url: str | None = None) -> tuple[int, int]:
+    """Send the workload through ``processes`` routers, as that many gateway processes behind
+    a round-robin load balancer would: each its own router, prefix indexes and in-flight
+    counts, the loads shared through Redis by ``engine_adapter.load_share`` (as the gateway
+    does) when ``redis_url`` is given."""
+    routers = [Router(engines, policy=policy, bound=bound) for _ in range(processes)]
+    clients = [EngineClient(r, first_byte_timeout=600) for r in routers]
+    key = f"tg:router:bench:{uuid.uuid4().hex[:8]}"
+    shares = [LoadShare(r, redis_url, key=key) for r in routers] if redis_url else []
+    turn = itertools.count()
 
     async def send(tenant, messages):
-        async with client.call(model=engines[0].model, path="/v1/chat/completions",
-                               body={"messages": messages, "max_tokens": max_tokens,
-                                     "temperature": 0},
-                               namespace=tenant, prompt_text=render(messages)) as call:
+        i = next(turn) % processes  # each request to the next process, whatever its tenant
+        if shares:
+            shares[i].note_activity()
+        async with clients[i].call(model=engines[0].model, path="/v1/chat/completions",
+                                   body={"messages": messages, "max_tokens": max_tokens,
+                                         "temperature": 0},
+                                   namespace=tenant, prompt_text=render(messages)) as call:
             pass
         r = call.result
         return {"prompt_tokens": r.prompt_tokens,
@@ -169,7 +187,10 @@ async def run_policy(policy: str, engines: list[EngineInfo], convs, *, concurren
     try:
         return await run_conversations(convs, send, concurrency)
     finally:
-        await client.aclose()
+        for client in clients:
+            await client.aclose()
+        if shares:
+            await shares[0]._client().delete(key)
 
 
 async def run_sglang_router(urls: list[str], model: str, convs, *, concurrency: int,
@@ -223,7 +244,8 @@ async def bench_fleet(name: str, urls: list[str], model: str, convs, args) -> di
     result = {"fleet": name, "engines": len(urls),
               "requests": sum(len(c.turns) for c in convs),
               "max_possible_hit_rate": round(max_possible_hit_rate(convs), 4), "policies": {}}
-    for policy in ("cache_aware", "least_load", "round_robin", "sglang_router_cache_aware"):
+    for policy in ("cache_aware", "least_load", "round_robin", "sglang_router_cache_aware",
+                   *(f"cache_aware_x{n}" for n in args.processes if n > 1)):
         flush(urls)
         before = scrape(urls)
         t0 = time.monotonic()
@@ -232,11 +254,20 @@ async def bench_fleet(name: str, urls: list[str], model: str, convs, args) -> di
                                              max_tokens=args.max_tokens)
             if totals is None:
                 continue
+        elif policy.startswith("cache_aware_x"):
+            totals = await run_policy("cache_aware", engines, convs,
+                                      concurrency=args.concurrency, max_tokens=args.max_tokens,
+                                      bound=args.bound, processes=int(policy.rsplit("x", 1)[1]),
+                                      redis_url=args.redis_url)
         else:
             totals = await run_policy(policy, engines, convs, concurrency=args.concurrency,
                                       max_tokens=args.max_tokens, bound=args.bound)
         summary = summarize(before, scrape(urls), *totals)
         summary["seconds"] = round(time.monotonic() - t0, 1)
+        if policy.startswith("cache_aware_x"):
+            one = result["policies"]["cache_aware"]["hit_rate"]
+            summary["hit_rate_vs_one_process"] = (round(summary["hit_rate"] / one, 4)
+                                                  if one else None)
         result["policies"][policy] = summary
         log(f"{name} {policy}: {summary}")
     return result
@@ -255,6 +286,11 @@ def main() -> None:
     p.add_argument("--engine-tokens", type=int, default=60000, help="KV tokens per sim engine")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--bound", type=float, default=1.5, help="cache_aware load bound")
+    p.add_argument("--processes", type=lambda v: [int(n) for n in v.split(",")], default=[4],
+                   help="also run cache_aware through this many gateway processes' routers "
+                        "(comma-separated; reported as cache_aware_xN)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="Redis the routers share their loads through (one hash, removed after)")
     p.add_argument("--sglang-conversations", type=int, default=48,
                    help="conversations on the real SGLang fleet (CPU engines are slow)")
     args = p.parse_args()

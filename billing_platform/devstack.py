@@ -117,8 +117,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(fresh_metrics_dir())
         celery = [sys.executable, "-m", "celery", "-A", "billing_platform"]
         commands = {
+            # N processes on one socket (uvicorn's supervisor restarts one that dies); what
+            # each caches stays correct across them: docs/deploy.md, "Many gateway processes"
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
                     "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "off",
+                    "--workers", str(args.web_processes),
                     "--no-access-log" if args.quiet else "--access-log"],
             "worker": [*celery, "worker", "-Q",
                        ",".join(q for q in Queues if q != Queues.BATCH),
@@ -138,6 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             children.append((name, proc))
             threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
         url = f"http://{E.WEB_HOST}:{E.WEB_PORT}"
+        say(f"web: {args.web_processes} gateway process(es) on {url} (--web-processes N)")
         say(f"console   {url}/console/   (log in with the demo login above)")
         say(f"API docs  {url}/api/v1/docs/   metrics {url}/metrics   admin {url}/admin/")
         say("press Ctrl-C to stop everything")
@@ -264,6 +268,16 @@ def cmd_services(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tollgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--quiet", action="store_true", help="no per-request access log")
     up.add_argument("--sim-only", action="store_true",
                     help="simulated engines only (starts in seconds; no real SGLang build)")
+    up.add_argument("--web-processes", type=_positive, default=os.cpu_count() or 1,
+                    metavar="N", help="web (gateway) processes on the one port (default: the "
+                                      "machine's cores)")
     up.set_defaults(func=cmd_up)
     test = sub.add_parser("test",
                           help="run ruff, mypy and the test suite (extra args go to pytest)")

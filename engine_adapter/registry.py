@@ -2,7 +2,8 @@
 
 Web processes call ``get_fleet()``; the router's engine list and scraped loads are refreshed
 from PostgreSQL at most every ``REFRESH_S`` seconds (the health task writes them), while
-in-flight counts and prefix indexes stay in the process.
+in-flight counts and prefix indexes stay in the process (the in-flight counts of the other
+gateway processes come through Redis: ``engine_adapter.load_share``).
 
 A request never sees a view older than ``REFRESH_S``, but under traffic none waits for the
 read either: once the view is half that old, one background task refreshes it and requests go
@@ -27,6 +28,7 @@ from asgiref.sync import sync_to_async
 
 from engine_adapter import conf
 from engine_adapter.client import EngineClient
+from engine_adapter.load_share import LoadShare
 from engine_adapter.metrics import FLEET_VIEW_REFRESH_FAILURES, FLEET_VIEW_REFRESHED
 from engine_adapter.router import Router
 from engine_adapter.selectors import fleet_snapshot, zone_regions
@@ -38,9 +40,12 @@ log = logging.getLogger(__name__)
 
 
 class Fleet:
-    def __init__(self, *, policy: str = "cache_aware", salt_secret: str = "") -> None:
+    def __init__(self, *, policy: str = "cache_aware", salt_secret: str = "",
+                 redis_url: str | None = None) -> None:
         self.router = Router(policy=policy)
         self.client = EngineClient(self.router, salt_secret=salt_secret)
+        # the other gateway processes' loads, for the router's bound (None: this one only)
+        self.share = LoadShare(self.router, redis_url) if redis_url else None
         self._refreshed = 0.0
         self._refreshing: asyncio.Task | None = None
         self._failing_since: float | None = None  # monotonic time of an outage's first failure
@@ -68,6 +73,8 @@ class Fleet:
         While reads fail, go on with the last good view up to MAX_STALE_S old; past that (or
         with no view yet) raise the read's error.
         """
+        if self.share is not None:
+            self.share.note_activity()
         now = time.monotonic()
         age = now - self._refreshed
         if age <= REFRESH_S * REFRESH_AHEAD:
@@ -127,6 +134,6 @@ def get_fleet() -> Fleet:
     if _fleet is None:
         from django.conf import settings
 
-        _fleet = Fleet(policy=conf.router_policy(),
-                       salt_secret=settings.SECRET_KEY)
+        _fleet = Fleet(policy=conf.router_policy(), salt_secret=settings.SECRET_KEY,
+                       redis_url=settings.REDIS_URL)
     return _fleet

@@ -11,11 +11,24 @@ Policies:
   anywhere the least-loaded engine does. This keeps hit rate near the workload's maximum while
   one engine never takes the whole pool. ``bound`` 1.5 is where bench/routing.py measured
   >= 95 % of the workload's possible hit rate at max/mean load ~1.1 (1.25: 94.7 %, 2.0: 1.29).
+  A prompt no engine's index matches goes where rendezvous hashing of its first block (the
+  tenant and the start of its prompt) ranks the engines, the first under the bound: every
+  gateway process ranks alike, so a prefix that one process sent to an engine is sent there by
+  the others too, though their indexes never saw it (see "Many processes" below).
 - ``least_load``: fewest in-flight + queued requests.
 - ``round_robin``.
 
 The router is pure Python state per process; it imports nothing from Django. Engines come from
-the fleet registry; loads are the router's own in-flight counts plus the last scraped queue.
+the fleet registry; loads are the router's own in-flight counts, the other gateway processes'
+(``observe_peers``) and the last scraped queue.
+
+Many processes. Each gateway process has its own router, prefix indexes and in-flight counts.
+Two things keep N processes routing as one would: the rendezvous fallback (above), which makes
+a new prefix's engine a function of the prefix and the engine set alone, and the load bound
+computed on every process's in-flight requests, which ``engine_adapter.load_share`` exchanges
+through Redis every ``TOLLGATE_ROUTER_SHARE_S`` (a process alone would see 1/N of the load and
+bound its affinity N times too early). bench/routing.py ``--processes`` measures the hit rate
+of the same workload through N routers against one.
 
 What is offered where (the fleet spec's pools) is known apart from which engines run: a model
 offered in a region whose engines are all down, stopped or not started yet is ``NoCapacity``
@@ -50,6 +63,12 @@ def prefix_blocks(namespace: str, text: str, *, limit: int = 512) -> list[bytes]
         digest = hashlib.blake2b(digest + chunk.encode(), digest_size=16).digest()
         blocks.append(digest)
     return blocks
+
+
+def _rendezvous(block: bytes, engine_id: str) -> bytes:
+    """Return the engine's rendezvous score for a prefix (highest wins): the same in every
+    process, and adding or removing an engine moves only the prefixes it wins or held."""
+    return hashlib.blake2b(block + engine_id.encode(), digest_size=8).digest()
 
 
 class PrefixIndex:
@@ -97,6 +116,7 @@ class Router:
         self._traits: dict[str, ModelTraits] = {}
         self._healthy: set[str] = set()
         self._inflight: dict[str, int] = {}
+        self._peer_inflight: dict[str, int] = {}  # the other processes', from load_share
         self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
         self._scraped: dict[str, EngineLoad] = {}
         self._index: dict[str, PrefixIndex] = {}
@@ -136,6 +156,17 @@ class Router:
         with self._lock:
             self._scraped[engine_id] = load
 
+    def observe_peers(self, inflight: Mapping[str, int]) -> None:
+        """Take the other gateway processes' in-flight requests per engine (replacing the
+        last view; an empty mapping when there are none or their view is lost)."""
+        with self._lock:
+            self._peer_inflight = dict(inflight)
+
+    def inflight_counts(self) -> dict[str, int]:
+        """Return this process's in-flight requests per engine (engines with none left out)."""
+        with self._lock:
+            return {engine_id: n for engine_id, n in self._inflight.items() if n}
+
     def models(self) -> set[str]:
         """Return the models offered somewhere (their engines may all be down)."""
         return {model for model, regions in self._offered.items() if regions}
@@ -154,7 +185,8 @@ class Router:
 
     def load(self, engine_id: str) -> int:
         scraped = self._scraped.get(engine_id)
-        return self._inflight.get(engine_id, 0) + (scraped.queued if scraped else 0)
+        return (self._inflight.get(engine_id, 0) + self._peer_inflight.get(engine_id, 0)
+                + (scraped.queued if scraped else 0))
 
     def candidates(self, model: str, allowed_regions: set[str] | None) -> list[EngineInfo]:
         """Return healthy engines of ``model`` in ``allowed_regions`` (None: any region).
@@ -218,6 +250,11 @@ class Router:
             if m > best_match or (m == best_match and m > 0
                                   and loads[e.engine_id] < loads[best.engine_id]):
                 best, best_match = e, m
+        if best_match == 0:  # a prefix new to this process: where every process sends it
+            for e in sorted(pool, key=lambda e: _rendezvous(blocks[0], e.engine_id),
+                            reverse=True):
+                if loads[e.engine_id] + 1 <= cap:
+                    return e, 0
         return best, best_match
 
     def release(self, engine_id: str) -> None:

@@ -1,0 +1,132 @@
+"""Many gateway processes route as one: the same engine for a prefix whichever process a request
+lands on, and the load bound computed on every process's requests (shared through real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+
+from engine_adapter.load_share import STALE_S, LoadShare
+from engine_adapter.router import Router
+from engine_adapter.types import EngineInfo
+
+SYSTEM = "You are the support assistant of the Initech billing desk; answer briefly. " * 6
+
+
+def _engines(n: int) -> list[EngineInfo]:
+    return [EngineInfo(engine_id=f"e{i}", pool="p", model="m", region="r",
+                       url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+
+
+def test_a_new_prefix_goes_to_the_same_engine_from_every_process():
+    # given four processes' routers, each with a history of its own (other tenants' traffic)
+    routers = [Router(_engines(8)) for _ in range(4)]
+    for i, r in enumerate(routers):
+        for n in range(i * 3):
+            r.release(r.choose(model="m", namespace=f"other-{i}-{n}", prompt=SYSTEM
+                               ).engine.engine_id)
+    for tenant in range(30):
+        prompt = f"tenant {tenant}: " + SYSTEM
+        # when each process routes the same tenant's prompt, never having seen it
+        chosen = [r.choose(model="m", namespace=f"org-{tenant}", prompt=prompt).engine.engine_id
+                  for r in routers]
+        # then they all pick one engine, so its KV cache serves the later turns
+        assert len(set(chosen)) == 1, f"tenant {tenant}: {chosen}"
+        for r, engine_id in zip(routers, chosen, strict=True):
+            r.release(engine_id)
+
+
+def test_new_prefixes_of_many_tenants_still_spread_over_the_pool():
+    router = Router(_engines(8))
+    engines = set()
+    for tenant in range(64):
+        d = router.choose(model="m", namespace=f"org-{tenant}", prompt=SYSTEM)
+        engines.add(d.engine.engine_id)
+        router.release(d.engine.engine_id)
+    assert len(engines) == 8  # rendezvous ranks differ per tenant: no engine is everyone's
+
+
+def test_other_processes_in_flight_requests_count_towards_the_bound():
+    # given the engine a tenant's prefix ranks first, busy with another process's requests
+    router = Router(_engines(4))
+    first = router.choose(model="m", namespace="org", prompt=SYSTEM).engine.engine_id
+    router.release(first)
+    # when the peers report 12 requests in flight there (and nothing elsewhere)
+    router.observe_peers({first: 12})
+    # then this process sends the tenant elsewhere: bound x mean load is under 13
+    assert router.choose(model="m", namespace="org", prompt=SYSTEM).engine.engine_id != first
+
+
+@pytest.fixture
+def share_key() -> str:
+    key = f"tg:router:test:{uuid.uuid4().hex[:8]}"
+    yield key
+    redis.Redis.from_url(settings.REDIS_URL).delete(key)
+
+
+def test_processes_exchange_in_flight_counts_through_redis(share_key):
+    # given two processes' routers sharing one Redis, and a third that went quiet long ago
+    a, b = Router(_engines(2)), Router(_engines(2))
+    share_a = LoadShare(a, settings.REDIS_URL, key=share_key)
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key)
+    r = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    r.hset(share_key, "gone:0", json.dumps({"t": 0, "n": {"e1": 50}}))
+
+    async def scenario() -> None:
+        # when A holds three requests on e0 and both exchange
+        for _ in range(3):
+            a.choose(model="m", namespace="org", prompt=SYSTEM)
+        held = next(iter(a.inflight_counts()))
+        await share_a.exchange()
+        await share_b.exchange()
+        # then B counts A's three requests on that engine, and not the silent process's 50
+        assert b.load(held) == 3 and b.load("e1" if held == "e0" else "e0") == 0
+        # and when A's requests end, B sees it at the next exchange
+        for _ in range(3):
+            a.release(held)
+        await share_a.exchange()
+        await share_b.exchange()
+        assert b.load(held) == 0
+
+    asyncio.run(scenario())
+    assert "gone:0" not in r.hgetall(share_key)  # forgotten, not only ignored
+
+
+def test_a_field_older_than_stale_is_not_counted(share_key):
+    clock = [1000.0]
+    a, b = Router(_engines(1)), Router(_engines(1))
+    share_a = LoadShare(a, settings.REDIS_URL, key=share_key, clock=lambda: clock[0])
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key, clock=lambda: clock[0])
+
+    async def scenario() -> None:
+        a.choose(model="m", namespace="org", prompt=SYSTEM)
+        await share_a.exchange()
+        await share_b.exchange()
+        assert b.load("e0") == 1
+        # A stops exchanging (its process died with the request in flight)
+        clock[0] += STALE_S + 0.5
+        await share_b.exchange()
+        assert b.load("e0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_redis_down_routes_on_own_counts_and_says_so_once(caplog):
+    router = Router(_engines(2))
+    router.observe_peers({"e0": 9})
+    share = LoadShare(router, "redis://127.0.0.1:1/0", key="tg:router:nowhere")
+    caplog.set_level(logging.WARNING, logger="engine_adapter.load_share")
+
+    async def scenario() -> None:
+        await share.exchange()
+        await share.exchange()
+
+    asyncio.run(scenario())
+    assert router.load("e0") == 0  # the peers' last view is dropped, not kept forever
+    assert len([r for r in caplog.records if "Redis failed" in r.getMessage()]) == 1
