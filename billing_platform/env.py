@@ -33,6 +33,13 @@ REDIS_URL: str = env.str("REDIS_URL", default=f"redis://127.0.0.1:{EMBEDDED_REDI
 # for the one it does not.
 DATABASE_URL_SET: bool = bool(env.str("DATABASE_URL", default=""))
 REDIS_URL_SET: bool = bool(env.str("REDIS_URL", default=""))
+# A Redis Cluster for the platform's own keys (quota state, API-key cache, usage stream): the
+# URL of any one node, e.g. redis://10.0.0.5:7000/0 (the clients discover the rest). Unset: those
+# keys live on REDIS_URL. The Celery broker and Django's cache stay on REDIS_URL either way
+# (kombu's Redis transport does not support Cluster).
+REDIS_CLUSTER_URL: str = env.str("REDIS_CLUSTER_URL", default="")
+# The Celery broker: REDIS_URL's Redis unless named apart (amqp://... for RabbitMQ).
+CELERY_BROKER_URL: str = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 
 
 def _secret(name: str, *, dev_default: str) -> str:

@@ -1,4 +1,13 @@
-"""One shared Redis connection pool per process, for the platform's own keys (not the cache)."""
+"""One shared Redis connection pool per process, for the platform's own keys (not the cache).
+
+The platform's keys (quota state, the API-key cache, the auth throttle, the usage stream) live
+on ``REDIS_URL``, or on a Redis Cluster when ``REDIS_CLUSTER_URL`` names one of its nodes (the
+clients discover the others). Every key of one organization carries its hash tag (``{o<id>}``),
+so each script touches one slot. The Celery broker and Django's cache stay on ``REDIS_URL``:
+kombu's Redis transport does not speak Cluster (its queues are lists and a set of bindings
+under fixed names, MULTI/EXEC across them), and the broker's load is small beside the request
+path's.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +16,43 @@ import collections
 import functools
 import ssl
 import weakref
-from typing import Any
+from typing import Any, Protocol, cast
 
 import hiredis
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions
 from django.conf import settings
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+
+def cluster_url() -> str:
+    """Return the node URL of the Redis Cluster holding the platform's keys ('' for none)."""
+    return getattr(settings, "REDIS_CLUSTER_URL", "") or ""
 
 
 @functools.cache
 def get_redis() -> redis.Redis:
-    """Return the process-wide Redis client (decoded strings, short timeouts)."""
+    """Return the process-wide Redis client (decoded strings, short timeouts).
+
+    With ``REDIS_CLUSTER_URL`` it is a ``RedisCluster``: the same commands, each sent to the
+    master of its key's slot (typed as ``redis.Redis``, whose commands it offers)."""
+    if cluster_url():
+        return cast(redis.Redis, RedisCluster.from_url(
+            cluster_url(), decode_responses=True, socket_timeout=2, socket_connect_timeout=2))
     return redis.Redis.from_url(
         settings.REDIS_URL, decode_responses=True, socket_timeout=2, socket_connect_timeout=2,
         health_check_interval=30,
     )
+
+
+def reset_clients() -> None:
+    """Forget the process's clients (tests that point the platform at another Redis)."""
+    get_redis.cache_clear()
+    _async_clients.clear()
+    _pipelined.clear()
 
 
 _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -74,11 +104,18 @@ def async_client(url: str) -> aioredis.Redis:
 
 
 def get_aredis() -> aioredis.Redis:
-    """Return the asyncio Redis client of the running event loop (one per loop)."""
+    """Return the asyncio Redis client of the running event loop (one per loop); a
+    ``redis.asyncio.cluster.RedisCluster`` with ``REDIS_CLUSTER_URL``."""
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)
     if client is None:
-        client = _async_clients[loop] = async_client(settings.REDIS_URL)
+        if cluster_url():
+            client = cast(aioredis.Redis, AsyncRedisCluster.from_url(
+                cluster_url(), decode_responses=True, socket_timeout=2,
+                socket_connect_timeout=2))
+        else:
+            client = async_client(settings.REDIS_URL)
+        _async_clients[loop] = client
     return client
 
 
@@ -128,6 +165,10 @@ def _error(message: str) -> redis.exceptions.RedisError:
     if message.startswith(("NOAUTH", "WRONGPASS")):
         return redis.exceptions.AuthenticationError(message)
     return redis.exceptions.ResponseError(message)
+
+
+class NotConnected(redis.exceptions.ConnectionError):
+    """The connection could not be opened: the command was never sent (safe to send again)."""
 
 
 class PipelinedConnection:
@@ -204,7 +245,7 @@ class PipelinedConnection:
                     _, protocol = await loop.create_connection(
                         _Replies, o.get("host", "localhost"), o.get("port", 6379), ssl=context)
         except (OSError, TimeoutError) as exc:
-            raise redis.exceptions.ConnectionError(
+            raise NotConnected(
                 f"cannot connect to Redis: {exc!r}; is it running at the configured "
                 f"REDIS_URL?") from exc
         setup: list[tuple[Any, ...]] = []
@@ -227,13 +268,168 @@ class PipelinedConnection:
             self._drop(self.protocol)
 
 
+    async def execute_asking(self, *args: Any) -> Any:
+        """Run one command after ``ASKING`` (its slot is moving to this node), both written in
+        one write so that no other command comes between them."""
+        protocol = self.protocol
+        if protocol is None or protocol.lost is not None:
+            protocol = await self._connect()
+        loop = asyncio.get_running_loop()
+        asking, waiter = loop.create_future(), loop.create_future()
+        protocol.waiters.extend((asking, waiter))
+        if protocol.transport is None:
+            raise redis.exceptions.ConnectionError("Redis connection not made")
+        protocol.transport.write(hiredis.pack_command(("ASKING",)) + hiredis.pack_command(args))
+        try:
+            async with asyncio.timeout(self.timeout):
+                await asking
+                return await waiter
+        except TimeoutError:
+            self._drop(protocol)
+            raise redis.exceptions.TimeoutError(
+                f"Redis did not answer {args[0]} within {self.timeout:.1f}s") from None
+
+
+class Pipelined(Protocol):
+    """What the request path's code calls on a pipelined connection (one server or a
+    cluster)."""
+
+    async def execute(self, *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+SLOTS = 16384
+Address = tuple[str, int]
+# Commands whose keys start after (script, numkeys); every other keyed command's first
+# argument is its key.
+_SCRIPT_COMMANDS = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL"})
+
+
+def _first_key(args: tuple[Any, ...]) -> Any:
+    """Return the key a command is routed by (None for a command without one)."""
+    name = str(args[0]).upper()
+    if name in _SCRIPT_COMMANDS:
+        return args[3] if len(args) > 3 and int(args[2]) > 0 else None
+    return args[1] if len(args) > 1 and name not in ("SCRIPT", "PING", "TIME") else None
+
+
+class ClusterPipelinedConnection:
+    """``PipelinedConnection`` for a Redis Cluster: one pipelined connection per master, each
+    command sent to the master of its first key's slot (``redis.crc.key_slot``).
+
+    The slot map comes from ``CLUSTER SLOTS`` (asked of any node that answers, the URL's
+    first) and is read again after a ``MOVED`` reply or a lost connection. ``MOVED`` and ``ASK``
+    are followed once, to the node they name; a command whose connection could not be opened
+    (``NotConnected``: never sent) is sent once more after the map is read again, so a
+    restarted or failed-over master costs a refused connection, not an error. A command lost
+    in flight is not sent again: an admission script may have run, and running it twice would
+    count a request twice; the caller sees ``ConnectionError`` as from one Redis. ``SCRIPT``
+    commands (``LOAD``) go to every master, so an ``EVALSHA`` finds its script on any of them.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 2.0, connect_timeout: float = 2.0) -> None:
+        self.url, self.timeout, self.connect_timeout = url, timeout, connect_timeout
+        seed = aioredis.connection.parse_url(url)
+        self.seeds: list[Address] = [(seed.get("host", "localhost"), seed.get("port", 6379))]
+        self.slots: list[Address] | None = None
+        self.nodes: dict[Address, PipelinedConnection] = {}
+        self.refreshing: asyncio.Future[list[Address]] | None = None
+
+    def _node(self, address: Address) -> PipelinedConnection:
+        connection = self.nodes.get(address)
+        if connection is None:
+            connection = PipelinedConnection(self.url, timeout=self.timeout,
+                                             connect_timeout=self.connect_timeout)
+            # the URL's credentials and options, another node's address; a cluster has db 0
+            connection.options = {**connection.options, "host": address[0],
+                                  "port": address[1], "db": 0}
+            self.nodes[address] = connection
+        return connection
+
+    async def _map(self) -> list[Address]:
+        if self.slots is None:
+            return await self._refresh()
+        return self.slots
+
+    async def _refresh(self) -> list[Address]:
+        """Read the slot map again (one read at a time, shared by every waiting command)."""
+        if self.refreshing is None:
+            self.refreshing = asyncio.ensure_future(self._read_map())
+        refreshing = self.refreshing
+        try:
+            return await asyncio.shield(refreshing)
+        finally:
+            if self.refreshing is refreshing and refreshing.done():
+                self.refreshing = None
+
+    async def _read_map(self) -> list[Address]:
+        known = list(dict.fromkeys([*self.seeds, *self.nodes]))
+        failure: Exception | None = None
+        for address in known:
+            try:
+                reply = await self._node(address).execute("CLUSTER", "SLOTS")
+            except redis.exceptions.RedisError as exc:
+                failure = exc
+                continue
+            slots: list[Address] = [address] * SLOTS
+            for start, end, master, *_replicas in reply:
+                owner = (master[0] or address[0], int(master[1]))
+                slots[int(start):int(end) + 1] = [owner] * (int(end) - int(start) + 1)
+            self.slots = slots
+            return slots
+        raise redis.exceptions.ConnectionError(
+            f"no Redis Cluster node answered CLUSTER SLOTS ({failure!r}); is it running at "
+            f"the configured REDIS_CLUSTER_URL?")
+
+    async def execute(self, *args: Any) -> Any:
+        key = _first_key(args)
+        if key is None:
+            if str(args[0]).upper() == "SCRIPT":
+                masters = set(await self._map())
+                answers = await asyncio.gather(*(self._node(a).execute(*args) for a in masters))
+                return answers[0]
+            return await self._node((await self._map())[0]).execute(*args)
+        slot = key_slot(key.encode() if isinstance(key, str) else key)
+        address = (await self._map())[slot]
+        try:
+            return await self._node(address).execute(*args)
+        except NotConnected:
+            address = (await self._refresh())[slot]
+            return await self._node(address).execute(*args)
+        except redis.exceptions.ConnectionError:
+            # lost in flight (maybe run): not sent again, but the next command finds the new
+            # owner
+            self.slots = None
+            raise
+        except redis.exceptions.ResponseError as exc:
+            redirect = str(exc).split()
+            if len(redirect) != 3 or redirect[0] not in ("MOVED", "ASK"):
+                raise
+            host, _, port = redirect[2].rpartition(":")
+            target = (host or address[0], int(port))
+            if redirect[0] == "ASK":
+                return await self._node(target).execute_asking(*args)
+            self.slots = None  # the map moved: read all of it before the next command
+            return await self._node(target).execute(*args)
+
+    def close(self) -> None:
+        for connection in self.nodes.values():
+            connection.close()
+
+
 _pipelined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def get_pipelined() -> PipelinedConnection:
-    """Return the running event loop's pipelined connection to ``REDIS_URL`` (one per loop)."""
+def get_pipelined() -> Pipelined:
+    """Return the running event loop's pipelined connection to ``REDIS_URL`` (one per loop);
+    a ``ClusterPipelinedConnection`` with ``REDIS_CLUSTER_URL``."""
     loop = asyncio.get_running_loop()
-    connection = _pipelined.get(loop)
+    connection: Pipelined | None = _pipelined.get(loop)
     if connection is None:
-        connection = _pipelined[loop] = PipelinedConnection(settings.REDIS_URL)
+        if cluster_url():
+            connection = ClusterPipelinedConnection(cluster_url())
+        else:
+            connection = PipelinedConnection(settings.REDIS_URL)
+        _pipelined[loop] = connection
     return connection

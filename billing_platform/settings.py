@@ -85,6 +85,7 @@ DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = E.REDIS_URL
+REDIS_CLUSTER_URL = E.REDIS_CLUSTER_URL  # the platform's keys on a Redis Cluster ('' = none)
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
@@ -199,7 +200,7 @@ SPECTACULAR_SETTINGS = {
 
 # Celery: the broker and where beat keeps its state; queues, routes, every task's delivery
 # options and the beat schedule are declared once, in billing_platform/celery.py.
-CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_URL = E.CELERY_BROKER_URL  # never the cluster: kombu's transport lacks Cluster
 CELERY_RESULT_BACKEND = None
 CELERY_BEAT_SCHEDULE_FILENAME = str(E.STATE_DIR / "celerybeat-schedule")
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False

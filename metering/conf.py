@@ -40,8 +40,15 @@ def consumer_group() -> str:
 
 
 def redis_url() -> str:
-    """Return the Redis of the usage stream (the platform's Redis unless set apart)."""
-    return _setting("METERING_REDIS_URL", "TOLLGATE_USAGE_REDIS_URL", settings.REDIS_URL)
+    """Return the Redis of the usage stream (the platform's Redis or cluster unless set
+    apart)."""
+    return _setting("METERING_REDIS_URL", "TOLLGATE_USAGE_REDIS_URL",
+                    settings.REDIS_CLUSTER_URL or settings.REDIS_URL)
+
+
+def redis_is_cluster() -> bool:
+    """Return whether the usage stream's Redis is the platform's Redis Cluster."""
+    return bool(settings.REDIS_CLUSTER_URL) and redis_url() == settings.REDIS_CLUSTER_URL
 
 
 def spool_dir() -> Path:

@@ -29,11 +29,15 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, cast, overload
 
 import redis
 import redis.asyncio as aredis
+from django.core.exceptions import ImproperlyConfigured
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.commands.core import AsyncScript, Script
 from redis.retry import Retry
 
@@ -69,16 +73,33 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, a
 _lock = threading.Lock()
 
 
+def _cluster() -> bool:
+    """Return whether the stream lives on the platform's Redis Cluster."""
+    if not conf.redis_is_cluster():
+        return False
+    if conf.wait_aof():
+        # WAITAOF counts the writes of its own connection, which a cluster client does not
+        # keep for the stream's master: refuse rather than wait on the wrong one
+        raise ImproperlyConfigured("TOLLGATE_USAGE_WAITAOF is not supported with "
+                                   "REDIS_CLUSTER_URL")
+    return True
+
+
 def client(*, socket_timeout: float = 2.0) -> redis.Redis:
-    """Return the process's client of the usage stream's Redis (bytes in, bytes out)."""
+    """Return the process's client of the usage stream's Redis (bytes in, bytes out); a
+    ``RedisCluster`` (the same commands, typed as ``redis.Redis``) on the platform's cluster."""
     url = conf.redis_url()
     key = (url, socket_timeout)
     with _lock:
         if key not in _sync_clients:
-            _sync_clients[key] = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=1.0,
-                retry=Retry(NoBackoff(), 1), health_check_interval=0,
-            )
+            options: dict[str, Any] = {"socket_timeout": socket_timeout,
+                                       "socket_connect_timeout": 1.0,
+                                       "retry": Retry(NoBackoff(), 1)}
+            _sync_clients[key] = (
+                cast(redis.Redis, RedisCluster.from_url(url, require_full_coverage=False,
+                                                        **options))
+                if _cluster() else
+                redis.Redis.from_url(url, health_check_interval=0, **options))
         return _sync_clients[key]
 
 
@@ -88,9 +109,14 @@ def aclient() -> aredis.Redis:
     url = conf.redis_url()
     per_loop = _async_clients.setdefault(loop, {})
     if url not in per_loop:
-        per_loop[url] = aredis.Redis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
-        )
+        per_loop[url] = (
+            cast(aredis.Redis, AsyncRedisCluster.from_url(
+                url, socket_timeout=2.0, socket_connect_timeout=1.0, require_full_coverage=False,
+                retry=AsyncRetry(NoBackoff(), 1)))
+            if _cluster() else
+            aredis.Redis.from_url(
+                url, socket_timeout=2.0, socket_connect_timeout=1.0,
+                retry=Retry(NoBackoff(), 1)))
     return per_loop[url]
 
 

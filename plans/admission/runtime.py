@@ -24,7 +24,7 @@ from django.conf import settings
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from billing_platform.redis_conn import PipelinedConnection, get_aredis, get_pipelined
+from billing_platform.redis_conn import Pipelined, get_aredis, get_pipelined
 from plans.admission import loading, scripts
 from plans.admission.decision import (
     Arg,
@@ -161,7 +161,7 @@ class _Batcher:
     client targets one Redis server (a Redis Cluster client would batch per hash slot).
     """
 
-    def __init__(self, connection: PipelinedConnection) -> None:
+    def __init__(self, connection: Pipelined) -> None:
         self.connection = connection
         self.pending: list[_Op] = []
         self.scheduled = False
@@ -232,7 +232,7 @@ class _Batcher:
 # Operations per script call: big enough to share the round trip, small enough that two
 # batches overlap (Redis runs one while this process answers the other).
 MAX_BATCH = 32
-_batchers: weakref.WeakKeyDictionary[PipelinedConnection, _Batcher] | None = None
+_batchers: weakref.WeakKeyDictionary[Pipelined, _Batcher] | None = None
 _last: tuple[asyncio.AbstractEventLoop, _Batcher] | None = None
 
 
