@@ -67,12 +67,14 @@ UNKNOWN: dict[str, Any] = {}  # what ``read`` returns for it (compare with ``is`
 TOUCH_BATCH_S = 1.0  # the gateway writes last-used times at most this often, all in one HSET
 
 
+# A key's entry and its changing set share the hash tag ``{<prefix>}``: the fill and hold
+# scripts touch both, which a Redis Cluster allows only within one slot.
 def cache_key(prefix: str) -> str:
-    return f"tg:apikey:{prefix}"
+    return f"tg:apikey:{{{prefix}}}"
 
 
 def changing_key(prefix: str) -> str:
-    return f"tg:apikey:{prefix}:changing"
+    return f"tg:apikey:{{{prefix}}}:changing"
 
 
 def _decode(raw: str | None) -> tuple[dict[str, Any] | None, str | None]:

@@ -22,9 +22,15 @@ from typing import Any, Generic, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from redis.commands.core import AsyncScript
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
-from billing_platform.redis_conn import Pipelined, get_aredis, get_pipelined
+from billing_platform.redis_conn import (
+    ClusterPipelinedConnection,
+    Pipelined,
+    get_aredis,
+    get_pipelined,
+)
 from plans.admission import loading, scripts
 from plans.admission.decision import (
     Arg,
@@ -158,7 +164,7 @@ class _Batcher:
     bounds decisions per second from one process); an operation that fails answers its own
     error. A request waits at most one loop iteration longer than it would alone.
     All keys of one organization share a hash tag; a batch mixes organizations, so this
-    client targets one Redis server (a Redis Cluster client would batch per hash slot).
+    batcher serves one Redis server; on a Redis Cluster ``_SlotBatcher`` keeps one per slot.
     """
 
     def __init__(self, connection: Pipelined) -> None:
@@ -229,14 +235,33 @@ class _Batcher:
                 future.set_result(result)
 
 
+class _SlotBatcher:
+    """The batcher of a Redis Cluster: one ``_Batcher`` per hash slot, so that every script
+    call's KEYS lie in one slot (an operation's keys are all of one organization, which share
+    its hash tag) and go to that slot's master; the batches of one tick go out together."""
+
+    def __init__(self, connection: Pipelined) -> None:
+        self.connection = connection
+        self.slots: dict[int, _Batcher] = {}
+
+    async def call(self, kind: str, keys: list[str], argv: list[Arg]) -> Any:
+        slot = key_slot(keys[0].encode())
+        batcher = self.slots.get(slot)
+        if batcher is None:
+            batcher = self.slots[slot] = _Batcher(self.connection)
+            # the script is loaded on every master: a slot's first batch need not load it
+            batcher.sha = next((b.sha for b in self.slots.values() if b.sha), None)
+        return await batcher.call(kind, keys, argv)
+
+
 # Operations per script call: big enough to share the round trip, small enough that two
 # batches overlap (Redis runs one while this process answers the other).
 MAX_BATCH = 32
-_batchers: weakref.WeakKeyDictionary[Pipelined, _Batcher] | None = None
-_last: tuple[asyncio.AbstractEventLoop, _Batcher] | None = None
+_batchers: weakref.WeakKeyDictionary[Pipelined, _Batcher | _SlotBatcher] | None = None
+_last: tuple[asyncio.AbstractEventLoop, _Batcher | _SlotBatcher] | None = None
 
 
-def _batcher() -> _Batcher:
+def _batcher() -> _Batcher | _SlotBatcher:
     """Return the batcher of the running loop's pipelined Redis connection (one per loop)."""
     global _batchers, _last
     loop = asyncio.get_running_loop()
@@ -247,7 +272,9 @@ def _batcher() -> _Batcher:
     connection = get_pipelined()
     batcher = _batchers.get(connection)
     if batcher is None:
-        batcher = _batchers[connection] = _Batcher(connection)
+        batcher = _batchers[connection] = (
+            _SlotBatcher(connection) if isinstance(connection, ClusterPipelinedConnection)
+            else _Batcher(connection))
     _last = (loop, batcher)
     return batcher
 
