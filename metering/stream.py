@@ -24,6 +24,7 @@ warning (``conf.stream_alarm_length``) and ``/metrics`` shows the length beside 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -34,13 +35,13 @@ from typing import Any, cast, overload
 import redis
 import redis.asyncio as aredis
 from django.core.exceptions import ImproperlyConfigured
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.commands.core import AsyncScript, Script
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from billing_platform.redis_conn import ClusterPipelinedConnection
 from metering import conf
 
 FIELD = b"e"
@@ -109,15 +110,30 @@ def aclient() -> aredis.Redis:
     url = conf.redis_url()
     per_loop = _async_clients.setdefault(loop, {})
     if url not in per_loop:
-        per_loop[url] = (
-            cast(aredis.Redis, AsyncRedisCluster.from_url(
-                url, socket_timeout=2.0, socket_connect_timeout=1.0, require_full_coverage=False,
-                retry=AsyncRetry(NoBackoff(), 1)))
-            if _cluster() else
-            aredis.Redis.from_url(
-                url, socket_timeout=2.0, socket_connect_timeout=1.0,
-                retry=Retry(NoBackoff(), 1)))
+        per_loop[url] = aredis.Redis.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1),
+        )
     return per_loop[url]
+
+
+_cluster_connections: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, ClusterPipelinedConnection] = weakref.WeakKeyDictionary()
+APPEND_SHA = hashlib.sha1(APPEND_LUA.encode()).hexdigest()  # noqa: S324 - Redis's script id
+
+
+async def _aappend_on_cluster(key: str, args: list[int | bytes]) -> int:
+    """Run the append script on the stream's master, through this loop's pipelined cluster
+    connection (redis-py's asyncio cluster client raised AttributeError, not a RedisError,
+    from connections opened concurrently under load: the fallback never saw it)."""
+    loop = asyncio.get_running_loop()
+    connection = _cluster_connections.get(loop)
+    if connection is None:
+        connection = _cluster_connections[loop] = ClusterPipelinedConnection(
+            conf.redis_url(), connect_timeout=1.0)
+    try:
+        return int(await connection.execute("EVALSHA", APPEND_SHA, 1, key, *args))
+    except NoScriptError:  # a restarted or new master: EVAL loads it
+        return int(await connection.execute("EVAL", APPEND_LUA, 1, key, *args))
 
 
 def reset_clients() -> None:
@@ -127,6 +143,7 @@ def reset_clients() -> None:
             c.close()
         _sync_clients.clear()
     _async_clients.clear()
+    _cluster_connections.clear()
     breaker.close()
     alarm.reset()
 
@@ -198,12 +215,14 @@ async def aappend(payload: bytes) -> int:
     Raise ``StreamFull`` when the stream is at its cap (nothing appended), another
     ``redis.RedisError`` when Redis failed.
     """
-    r = aclient()
-    script = _script(r)
     args: list[int | bytes] = [conf.stream_max_length(), payload]
     length: int
     try:
-        if conf.wait_aof():
+        if _cluster():
+            length = await _aappend_on_cluster(conf.stream_key(), args)
+        elif conf.wait_aof():
+            r = aclient()
+            script = _script(r)
             async with r.pipeline(transaction=False) as pipe:
                 await script(keys=[conf.stream_key()], args=args, client=pipe)
                 pipe.execute_command("WAITAOF", 1, 0, 1000)
@@ -211,7 +230,7 @@ async def aappend(payload: bytes) -> int:
             if not local:
                 raise redis.RedisError("Redis did not fsync the usage event within 1 s")
         else:
-            length = await script(keys=[conf.stream_key()], args=args)
+            length = await _script(aclient())(keys=[conf.stream_key()], args=args)
     except redis.ResponseError as exc:
         raise _full(exc) from None
     alarm.check(length)
