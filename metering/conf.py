@@ -34,6 +34,27 @@ def stream_key() -> str:
     return _setting("METERING_STREAM_KEY", "TOLLGATE_USAGE_STREAM", "tg:usage:events")
 
 
+def stream_shards() -> int:
+    """Return how many streams the usage stream is sharded into, by organization (1: one)."""
+    return max(1, int(_setting("METERING_STREAM_SHARDS", "TOLLGATE_USAGE_STREAM_SHARDS", 1,
+                               int)))
+
+
+def stream_keys() -> list[str]:
+    """Return the usage streams, shard by shard: ``stream_key()`` itself when there is one,
+    else ``<stream_key()>:{s<i>}`` (each its own hash tag, so a cluster spreads them)."""
+    shards = stream_shards()
+    if shards == 1:
+        return [stream_key()]
+    return [f"{stream_key()}:{{s{i}}}" for i in range(shards)]
+
+
+def stream_key_of(org_id: int) -> str:
+    """Return the stream an organization's usage events are appended to (org id mod K)."""
+    keys = stream_keys()
+    return keys[org_id % len(keys)]
+
+
 def consumer_group() -> str:
     """Return the consumer group that drains the stream into PostgreSQL."""
     return _setting("METERING_CONSUMER_GROUP", "TOLLGATE_USAGE_GROUP", "ingest")

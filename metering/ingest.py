@@ -28,12 +28,13 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import redis
 from django.db import connection
+from redis.exceptions import ClusterDownError, MasterDownError, TryAgainError
 
 from metering import conf, events, recording, services, stream
 from metering.models import UsageDeadLetter
@@ -79,6 +80,13 @@ return acked
 """
 
 
+def _outage(exc: redis.RedisError) -> bool:
+    """Return whether an error means a shard's Redis is unreachable for now (read it again
+    later), not a bug: a connection error, or a cluster that lost the shard's master."""
+    return not isinstance(exc, redis.ResponseError) or isinstance(
+        exc, ClusterDownError | TryAgainError | MasterDownError)
+
+
 @dataclass
 class Batch:
     """Stream entries read together, decoded."""
@@ -88,6 +96,7 @@ class Batch:
     bad: list[tuple[bytes, str]] = field(default_factory=list)  # (payload, error)
     claimed: bool = False
     trusted_text: bool = False  # no JSON escape anywhere: no tab, newline or backslash
+    key: str = ""  # the stream (shard) the entries came from, where they are acknowledged
 
 
 @dataclass
@@ -138,18 +147,29 @@ def _framed(value: object) -> bool:
 
 
 class Ingestor:
-    """One member of the consumer group; ``run()`` until ``stop()`` (or until drained)."""
+    """One member of the consumer group of each of its streams; ``run()`` until ``stop()``
+    (or until drained).
+
+    With the stream sharded (``conf.stream_shards()``), it consumes every shard, or the ones
+    named by ``shards`` (indexes into ``conf.stream_keys()``), so N processes can share K
+    shards; each shard has its own consumer group (same name), reclaim and trim.
+    """
 
     def __init__(self, *, name: str | None = None, batch_size: int | None = None,
                  block_ms: int = 500, claim_idle_ms: int | None = None,
-                 writers: int = 2, observer: Observer | None = None) -> None:
+                 writers: int = 2, observer: Observer | None = None,
+                 shards: Sequence[int] | None = None) -> None:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.batch_size = batch_size or conf.batch_size()
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms if claim_idle_ms is not None else conf.claim_idle_ms()
         self.claim_every_s = max(0.2, self.claim_idle_ms / 2000)
         self.observer = observer
-        self.key = conf.stream_key()
+        every = conf.stream_keys()
+        self.keys = every if shards is None else [every[i] for i in shards]
+        if not self.keys:
+            raise ValueError("an ingest consumer needs at least one stream shard")
+        self.key = self.keys[0]
         self.group = conf.consumer_group()
         self.redis = stream.client(socket_timeout=block_ms / 1000 + 5)
         self.stats = IngestStats()
@@ -169,8 +189,8 @@ class Ingestor:
 
     # -- reader thread ------------------------------------------------------------------
 
-    def _decode(self, entries: list[Entry], *, claimed: bool) -> Batch:
-        batch = Batch(ids=[], rows=[], claimed=claimed, trusted_text=True)
+    def _decode(self, entries: list[Entry], *, claimed: bool, key: str) -> Batch:
+        batch = Batch(ids=[], rows=[], claimed=claimed, trusted_text=True, key=key)
         decode_row = events.decode_row
         for entry_id, fields in entries:
             batch.ids.append(entry_id)
@@ -185,7 +205,7 @@ class Ingestor:
                 batch.trusted_text = batch.trusted_text and b"\\" not in payload
         return batch
 
-    def _decode_blob(self, ids_blob: bytes, payload_blob: bytes) -> Batch:
+    def _decode_blob(self, ids_blob: bytes, payload_blob: bytes, key: str) -> Batch:
         ids = ids_blob.split(b" ")
         try:
             values = json.loads(b"[" + payload_blob + b"]")
@@ -195,19 +215,19 @@ class Ingestor:
             # some entry is not a usage event: fetch and decode them one by one
             entries = []
             for entry_id in ids:
-                found = self.redis.xrange(self.key, min=entry_id, max=entry_id)
+                found = self.redis.xrange(key, min=entry_id, max=entry_id)
                 entries.append(found[0] if found else (entry_id, None))
-            return self._decode(entries, claimed=False)
+            return self._decode(entries, claimed=False, key=key)
         return Batch(ids=ids, rows=[v[1:] for v in values],
-                     trusted_text=b"\\" not in payload_blob)
+                     trusted_text=b"\\" not in payload_blob, key=key)
 
-    def _claim(self) -> list[Entry]:
+    def _claim(self, key: str) -> list[Entry]:
         """Take over entries other (dead) consumers left unacknowledged for too long."""
         claimed: list[Entry] = []
         start = "0-0"
         while len(claimed) < self.batch_size:
             reply = self.redis.xautoclaim(
-                self.key, self.group, self.name, min_idle_time=self.claim_idle_ms,
+                key, self.group, self.name, min_idle_time=self.claim_idle_ms,
                 start_id=start, count=self.batch_size - len(claimed),
             )
             start, entries = reply[0], reply[1]
@@ -216,12 +236,12 @@ class Ingestor:
                 break
         return claimed
 
-    def _forget_dead_consumers(self) -> None:
-        for info in self.redis.xinfo_consumers(self.key, self.group):
+    def _forget_dead_consumers(self, key: str) -> None:
+        for info in self.redis.xinfo_consumers(key, self.group):
             name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
             if (name != self.name and not info["pending"]
                     and info["idle"] > DEAD_CONSUMER_IDLE_MS):
-                self.redis.xgroup_delconsumer(self.key, self.group, name)
+                self.redis.xgroup_delconsumer(key, self.group, name)
 
     def _put(self, batch: Batch) -> None:
         while not self._stop.is_set():
@@ -231,49 +251,77 @@ class Ingestor:
                 continue
             return
 
+    def _read_shard(self, key: str, *, claim: bool) -> bool:
+        """Queue the next batch of one shard (reclaimed entries first when ``claim``); return
+        whether there was one."""
+        if claim:
+            entries = self._claim(key)
+            if entries:
+                self._reader_idle.clear()
+                self.stats.claimed += len(entries)
+                log.info("reclaimed %d pending usage entries of %s", len(entries), key)
+                self._put(self._decode(entries, claimed=True, key=key))
+                return True
+            self._forget_dead_consumers(key)
+        ids_blob, payload_blob = self._read_script(
+            keys=[key], args=[self.group, self.name, self.batch_size])
+        if not ids_blob:
+            return False
+        self._reader_idle.clear()
+        self._put(self._decode_blob(ids_blob, payload_blob, key))
+        return True
+
     def _read_loop(self) -> None:
         next_claim = 0.0
         backoff = 0.1
+        turn = 0
         try:
             while not self._stop.is_set():
-                try:
-                    if time.monotonic() >= next_claim:
-                        next_claim = time.monotonic() + self.claim_every_s
-                        entries = self._claim()
-                        if entries:
-                            self._reader_idle.clear()
-                            self.stats.claimed += len(entries)
-                            log.info("reclaimed %d pending usage entries", len(entries))
-                            self._put(self._decode(entries, claimed=True))
-                            continue
-                        self._forget_dead_consumers()
-                    ids_blob, payload_blob = self._read_script(
-                        keys=[self.key], args=[self.group, self.name, self.batch_size])
-                    if ids_blob:
-                        self._reader_idle.clear()
-                        self._put(self._decode_blob(ids_blob, payload_blob))
-                        continue
-                    # nothing waiting: block until something arrives
-                    # redis-py types this reply as a union of its RESP2 and RESP3 shapes
-                    reply: Any = self.redis.xreadgroup(
-                        self.group, self.name, {self.key: ">"}, count=self.batch_size,
-                        block=self.block_ms,
-                    )
-                    backoff = 0.1
-                except redis.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    stream.ensure_group(self.redis)
-                    continue
-                except redis.RedisError as exc:
-                    log.warning("usage stream unavailable (%s); retrying in %.1fs", exc, backoff)
+                claim = time.monotonic() >= next_claim
+                if claim:
+                    next_claim = time.monotonic() + self.claim_every_s
+                found, failed = False, 0
+                for key in self.keys:  # one shard's outage leaves the others read
+                    try:
+                        found = self._read_shard(key, claim=claim) or found
+                    except redis.RedisError as exc:
+                        if "NOGROUP" in str(exc):
+                            stream.ensure_group(self.redis, key)
+                            found = True  # read it again at once
+                        elif _outage(exc):
+                            failed += 1
+                            log.warning("usage stream %s unavailable (%s)", key, exc)
+                        else:
+                            raise
+                if failed == len(self.keys):
+                    log.warning("usage stream unavailable; retrying in %.1fs", backoff)
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 5.0)
+                    continue
+                if found:
+                    continue
+                # nothing waiting: block on one shard at a time until something arrives
+                key = self.keys[turn % len(self.keys)]
+                turn += 1
+                try:
+                    # redis-py types this reply as a union of its RESP2 and RESP3 shapes
+                    reply: Any = self.redis.xreadgroup(
+                        self.group, self.name, {key: ">"}, count=self.batch_size,
+                        block=max(1, self.block_ms // len(self.keys)),
+                    )
+                    backoff = 0.1
+                except redis.RedisError as exc:
+                    if "NOGROUP" in str(exc):
+                        stream.ensure_group(self.redis, key)
+                    elif _outage(exc):
+                        log.warning("usage stream %s unavailable (%s)", key, exc)
+                    else:
+                        raise
                     continue
                 entries = reply[0][1] if reply else []
                 if entries:
                     self._reader_idle.clear()
-                    self._put(self._decode(entries, claimed=False))
+                    self._put(self._decode(entries, claimed=False, key=key))
                 else:
                     self._reader_idle.set()
         except BaseException as exc:  # surfaced by the writer, which stops the process
@@ -309,7 +357,7 @@ class Ingestor:
     def _ack(self, batch: Batch) -> None:
         for attempt in range(5):
             try:
-                self._ack_script(keys=[self.key], args=[self.group, b" ".join(batch.ids)])
+                self._ack_script(keys=[batch.key], args=[self.group, b" ".join(batch.ids)])
             except redis.RedisError as exc:
                 log.warning("XACK failed (%s); attempt %d", exc, attempt + 1)
                 time.sleep(0.2 * (attempt + 1))
@@ -321,7 +369,7 @@ class Ingestor:
 
     def _housekeeping(self, now: float, due: dict[str, float]) -> None:
         jobs: dict[str, tuple[float, Callable[[], object]]] = {
-            "trim": (5.0, lambda: stream.trim_acknowledged(self.redis)),
+            "trim": (5.0, self._trim),
             "spool": (conf.spool_replay_s(), services.usage_spool_replay),
             "partitions": (3600.0, services.usage_partitions_ensure),
         }
@@ -335,12 +383,16 @@ class Ingestor:
                 recording.close_broken_connection(exc)
                 log.warning("ingest housekeeping %s failed: %s", name, exc)
 
+    def _trim(self) -> None:
+        for key in self.keys:
+            stream.trim_acknowledged(self.redis, key)
+
     def _drained(self) -> bool:
         if not self._reader_idle.is_set() or not self._queue.empty():
             return False
         try:
-            pending: int = self.redis.xpending(self.key, self.group)["pending"]
-            return pending == 0
+            return all(self.redis.xpending(key, self.group)["pending"] == 0
+                       for key in self.keys)
         except redis.RedisError:
             return False
 
@@ -377,7 +429,14 @@ class Ingestor:
             connection.close()
 
     def _run(self, *, drain: bool) -> IngestStats:
-        stream.ensure_group(self.redis)
+        for key in self.keys:
+            try:
+                stream.ensure_group(self.redis, key)
+            except redis.RedisError as exc:
+                if not _outage(exc):
+                    raise
+                # the reader creates it once the shard answers (NOGROUP)
+                log.warning("usage stream %s unavailable at start-up (%s)", key, exc)
         due: dict[str, float] = {}
         self._housekeeping(time.monotonic(), due)
         reader = threading.Thread(target=self._read_loop, name="usage-reader", daemon=True)
@@ -409,7 +468,7 @@ class Ingestor:
         if self._writer_error is not None:
             raise RuntimeError("a usage writer crashed") from self._writer_error
         try:
-            stream.trim_acknowledged(self.redis)
+            self._trim()
         except redis.RedisError as exc:
             log.warning("final stream trim failed: %s", exc)
         if self._reader_error is not None:

@@ -119,7 +119,7 @@ def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
     payloads = [events.encode(d) for d in data]
     if stream.breaker.allow():
         try:
-            stream.append_many(payloads)
+            _append_by_shard(payloads, [d.org_id for d in data])
         except redis.RedisError as exc:
             _stream_failed(exc, len(payloads))
         else:
@@ -128,13 +128,23 @@ def usage_events_append(event_list: Sequence[UsageEventData | Mapping[str, Any]]
     return _append_without_redis(data, payloads)
 
 
+def _append_by_shard(payloads: Sequence[bytes], org_ids: Sequence[int]) -> None:
+    """Append payloads to their organizations' streams, one round trip per shard (one in
+    all with one stream); raise what the first failing shard raised."""
+    by_key: dict[str, list[bytes]] = {}
+    for payload, org_id in zip(payloads, org_ids, strict=True):
+        by_key.setdefault(conf.stream_key_of(org_id), []).append(payload)
+    for key, group in by_key.items():
+        stream.append_many(group, key=key)
+
+
 async def ausage_event_append(event: UsageEventData | Mapping[str, Any]) -> AppendPath:
     """Async ``usage_event_append`` for the gateway: XADD on the loop, fallbacks in a thread."""
     data = events.normalize(event)
     payload = events.encode(data)
     if stream.breaker.allow():
         try:
-            await stream.aappend(payload)
+            await stream.aappend(payload, key=conf.stream_key_of(data.org_id))
         except redis.RedisError as exc:
             _stream_failed(exc, 1)
         else:
@@ -238,6 +248,15 @@ def _decode_or_dead_letter(lines: Iterable[bytes], origin: str) -> list[events.R
     return good
 
 
+def _org_of(line: bytes) -> int:
+    """Return the organization of a spooled event (0, the first shard, for one that does not
+    decode: the consumer dead-letters it)."""
+    try:
+        return int(events.decode_row(line)[events.I_ORG])
+    except (InvalidRequest, ValueError, TypeError, IndexError):
+        return 0
+
+
 def _spool_sink(lines: list[bytes]) -> None:
     """Make spooled lines durable: record them in PostgreSQL, else put them on the stream."""
     try:
@@ -245,7 +264,8 @@ def _spool_sink(lines: list[bytes]) -> None:
     except Exception as exc:
         recording.close_broken_connection(exc)
         log.warning("spool replay: PostgreSQL unavailable (%s); trying the stream", exc)
-        stream.append_many(lines)  # raises if Redis is down too: the file is kept
+        # raises if Redis is down too: the file is kept
+        _append_by_shard(lines, [_org_of(line) for line in lines])
 
 
 def usage_spool_replay() -> spool.ReplayReport:

@@ -209,37 +209,39 @@ class _Alarm:
 alarm = _Alarm()
 
 
-async def aappend(payload: bytes) -> int:
-    """Append one encoded event from async code; return the stream's length after it.
+async def aappend(payload: bytes, *, key: str | None = None) -> int:
+    """Append one encoded event from async code to ``key`` (the organization's shard;
+    ``conf.stream_key()`` by default); return the stream's length after it.
 
     Raise ``StreamFull`` when the stream is at its cap (nothing appended), another
     ``redis.RedisError`` when Redis failed.
     """
+    key = key or conf.stream_key()
     args: list[int | bytes] = [conf.stream_max_length(), payload]
     length: int
     try:
         if _cluster():
-            length = await _aappend_on_cluster(conf.stream_key(), args)
+            length = await _aappend_on_cluster(key, args)
         elif conf.wait_aof():
             r = aclient()
             script = _script(r)
             async with r.pipeline(transaction=False) as pipe:
-                await script(keys=[conf.stream_key()], args=args, client=pipe)
+                await script(keys=[key], args=args, client=pipe)
                 pipe.execute_command("WAITAOF", 1, 0, 1000)
                 length, (local, _replicas) = await pipe.execute()
             if not local:
                 raise redis.RedisError("Redis did not fsync the usage event within 1 s")
         else:
-            length = await _script(aclient())(keys=[conf.stream_key()], args=args)
+            length = await _script(aclient())(keys=[key], args=args)
     except redis.ResponseError as exc:
         raise _full(exc) from None
     alarm.check(length)
     return length
 
 
-def append_many(payloads: Sequence[bytes]) -> int:
-    """Append several encoded events in one round trip, all or none; return the stream's
-    length after them.
+def append_many(payloads: Sequence[bytes], *, key: str | None = None) -> int:
+    """Append several encoded events to ``key`` (one shard; ``conf.stream_key()`` by default)
+    in one round trip, all or none; return the stream's length after them.
 
     With ``wait_aof`` the answer waits until Redis has fsync'd them all. Raise ``StreamFull``
     when they do not fit under the cap (none appended), another ``redis.RedisError`` when
@@ -247,29 +249,30 @@ def append_many(payloads: Sequence[bytes]) -> int:
     """
     r = client()
     script = _script(r)
+    key = key or conf.stream_key()
     args: list[int | bytes] = [conf.stream_max_length(), *payloads]
     length: int
     try:
         if conf.wait_aof():
             pipe = r.pipeline(transaction=False)
-            script(keys=[conf.stream_key()], args=args, client=pipe)
+            script(keys=[key], args=args, client=pipe)
             # redis-py leaves Pipeline.execute_command unannotated
             pipe.execute_command("WAITAOF", 1, 0, 1000)  # type: ignore[no-untyped-call]
             length, (local, _replicas) = pipe.execute()
             if not local:
                 raise redis.RedisError("Redis did not fsync the usage events within 1 s")
         else:
-            length = script(keys=[conf.stream_key()], args=args)
+            length = script(keys=[key], args=args)
     except redis.ResponseError as exc:
         raise _full(exc) from None
     alarm.check(length)
     return length
 
 
-def ensure_group(r: redis.Redis) -> None:
+def ensure_group(r: redis.Redis, key: str | None = None) -> None:
     """Create the consumer group (and the stream) if missing; read from the stream's start."""
     try:
-        r.xgroup_create(conf.stream_key(), conf.consumer_group(), id="0", mkstream=True)
+        r.xgroup_create(key or conf.stream_key(), conf.consumer_group(), id="0", mkstream=True)
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
@@ -282,9 +285,9 @@ def entry_ms(entry_id: bytes | str) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
-def trim_acknowledged(r: redis.Redis) -> None:
+def trim_acknowledged(r: redis.Redis, key: str | None = None) -> None:
     """Trim entries every group has been given and acknowledged (never an unread one)."""
-    key = conf.stream_key()
+    key = key or conf.stream_key()
     floor: tuple[int, int] | None = None
     for group in r.xinfo_groups(key):
         name = group["name"]
