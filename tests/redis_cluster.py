@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 
+from billing_platform.embedded import _wait_for as _wait
 from billing_platform.embedded import port_open
 
 SLOTS = 16384
@@ -187,12 +188,3 @@ def _known(node: ClusterNode) -> list[str]:
         text = nodes if isinstance(nodes, str) else str(nodes)
         return [line for line in text.splitlines() if line and "handshake" not in line]
     return []
-
-
-def _wait(predicate, *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
