@@ -33,7 +33,7 @@ from typing import Any, cast
 import redis
 from django.conf import settings
 
-from billing_platform.redis_conn import get_aredis, get_pipelined, get_redis
+from billing_platform.redis_conn import cluster_url, get_aredis, get_pipelined, get_redis
 
 # KEYS: entry, changing set. ARGV: marker seen ('' for none), payload, ttl.
 _FILL = """
@@ -119,11 +119,15 @@ async def afill(prefix: str, entry: dict[str, Any] | None, *, marker: str | None
 
 
 def _bracket(script: str, prefixes: list[str], token: str) -> None:
-    pipe = get_redis().pipeline(transaction=False)
+    r = get_redis()
+    # A cluster pipeline cannot carry EVAL (redis-py), and each prefix is its own slot anyway:
+    # there, one call per key; on a single Redis, one round trip for them all.
+    pipe = None if cluster_url() else r.pipeline(transaction=False)
     for prefix in prefixes:
-        pipe.eval(script, 2, cache_key(prefix), changing_key(prefix), token,
-                  MARKER + secrets.token_hex(8), settings.API_KEY_CACHE_TTL_S)
-    pipe.execute()
+        (pipe or r).eval(script, 2, cache_key(prefix), changing_key(prefix), token,
+                         MARKER + secrets.token_hex(8), settings.API_KEY_CACHE_TTL_S)
+    if pipe is not None:
+        pipe.execute()
 
 
 def hold(prefixes: list[str], *, attempts: int = 3) -> str:

@@ -1,8 +1,12 @@
-"""Admission under real concurrency: two gateway processes, one real Redis, simulated engines.
+"""Admission under real concurrency: four gateway processes (as four hosts behind a load
+balancer), one real Redis, simulated engines.
 
 Limits hold exactly across processes because the check and the reservation are one Lua step;
-a hard budget is never exceeded because each request reserves its worst case first; a crashed
-gateway's reservations expire on their own.
+a hard budget is never exceeded because each request reserves its worst case first; a key
+revoked through the API is refused by every process at once (the key cache lives in Redis,
+never in a process); a conversation keeps its engine's KV cache whichever process each turn
+lands on (the router's rendezvous fallback); a crashed gateway's reservations expire on their
+own.
 """
 
 from __future__ import annotations
@@ -35,18 +39,24 @@ PROMPT = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture
-def two_gateways(transactional_db, tmp_path, metering_stream, request):
-    """Simulated ``small`` (fast) and ``slow`` engines behind TWO gateway processes."""
+def gateways(transactional_db, tmp_path, metering_stream, request):
+    """Two simulated ``small`` engines (fast, one pool) and a ``slow`` one behind FOUR gateway
+    processes (``processes`` in the test's param sets another number; the rest is env)."""
     env = {**metering_stream, **getattr(request, "param", {})}
+    processes = int(env.pop("processes", 4))
     make_price_book(prices=[{"model": m, "input": "0.50", "output": "1.50"}
                             for m in GATEWAY_MODELS])
     sims = [start_sim(served_model_name="small", max_running_requests=256, **FAST_RATES),
+            start_sim(served_model_name="small", max_running_requests=256, **FAST_RATES),
             start_sim(served_model_name="slow", decode_tokens_per_s=40)]
     register_engine(sims[0], pool="small-us", region="us-east", zone="us")
-    register_engine(sims[1], pool="slow-us", region="us-east", zone="us")
-    gateways = [start_gateway(tmp_path, env=env), start_gateway(tmp_path, env=env)]
-    yield gateways
-    for g in gateways:
+    register_engine(sims[1], pool="small-us", region="us-east", zone="us")
+    register_engine(sims[2], pool="slow-us", region="us-east", zone="us")
+    with ThreadPoolExecutor(processes) as starting:
+        started = list(starting.map(lambda _: start_gateway(tmp_path, env=env),
+                                    range(processes)))
+    yield started
+    for g in started:
         stop_gateway(g)
     for sim in sims:
         sim.stop()
@@ -65,14 +75,13 @@ def _post(gateway, secret: str, **body) -> httpx.Response:
                       headers={"Authorization": f"Bearer {secret}"})
 
 
-def test_rpm_limit_of_60_across_two_gateway_processes_admits_exactly_60(two_gateways):
+def test_rpm_limit_of_60_across_four_gateway_processes_admits_exactly_60(gateways):
     # given an organization limited to 60 requests per minute
     org, _project, _key, secret = _org_key()
     limits.quota_limit_set(organization=org, rpm=60)
-    gateways = itertools.cycle(two_gateways)
-    targets = [next(gateways) for _ in range(100)]
+    targets = list(itertools.islice(itertools.cycle(gateways), 100))
 
-    # when 100 requests arrive at once, split over both processes
+    # when 100 requests arrive at once, split over the four processes
     with ThreadPoolExecutor(24) as pool:
         responses = list(pool.map(lambda g: _post(g, secret, max_tokens=1), targets))
 
@@ -93,18 +102,18 @@ def test_rpm_limit_of_60_across_two_gateway_processes_admits_exactly_60(two_gate
                for r in responses)
 
 
-def test_tpm_limit_rejects_a_request_larger_than_the_limit_and_counts_max_tokens(two_gateways):
+def test_tpm_limit_rejects_a_request_larger_than_the_limit_and_counts_max_tokens(gateways):
     org, _project, key, secret = _org_key()
     limits.quota_limit_set(organization=org, api_key=key, tpm=500)
-    too_big = _post(two_gateways[0], secret, max_tokens=1000)
+    too_big = _post(gateways[0], secret, max_tokens=1000)
     assert too_big.status_code == 429
     assert too_big.json()["error"]["code"] == "rate_limit_exceeded"
     assert "Request too large" in too_big.json()["error"]["message"]
-    first = _post(two_gateways[0], secret, max_tokens=400)
+    first = _post(gateways[0], secret, max_tokens=400)
     assert first.status_code == 200
     # the estimate (prompt bound + max_tokens) is what a request takes from the bucket
     assert int(first.headers["x-ratelimit-remaining-tokens"]) < 100
-    second = _post(two_gateways[1], secret, max_tokens=400)  # the other process sees it too
+    second = _post(gateways[1], secret, max_tokens=400)  # the other process sees it too
     assert second.status_code == 429
     assert second.json()["error"]["code"] == "rate_limit_exceeded"
     assert "tokens per minute" in second.json()["error"]["message"]
@@ -120,20 +129,19 @@ def _worst_case(org, project, key, *, max_tokens: int, model: str = "small") -> 
     return admission.from_micro(micro)
 
 
-def test_200_concurrent_requests_never_exceed_a_hard_budget(two_gateways):
+def test_200_concurrent_requests_never_exceed_a_hard_budget(gateways):
     # given a hard monthly budget worth roughly 80 requests
     org, project, key, secret = _org_key()
     budget = Decimal("0.003")
     quotas.budget_set(organization=org, amount=budget, hard=True)
     worst = _worst_case(org, project, key, max_tokens=20)
 
-    # when 200 requests arrive at once over two processes, then more until one is refused
-    gateways = itertools.cycle(two_gateways)
-    targets = [next(gateways) for _ in range(200)]
+    # when 200 requests arrive at once over four processes, then more until one is refused
+    targets = list(itertools.islice(itertools.cycle(gateways), 200))
     with ThreadPoolExecutor(32) as pool:
         responses = list(pool.map(lambda g: _post(g, secret), targets))
     for _ in range(100):
-        last = _post(two_gateways[0], secret)
+        last = _post(gateways[0], secret)
         responses.append(last)
         if last.status_code == 429:
             break
@@ -159,19 +167,19 @@ def test_200_concurrent_requests_never_exceed_a_hard_budget(two_gateways):
     from billing_platform.redis_conn import get_redis
 
     assert get_redis().zcard(admission.reservations_key(org.id)) == 0
-    assert all("settlement" not in g.log() for g in two_gateways)
+    assert all("settlement" not in g.log() for g in gateways)
 
 
-@pytest.mark.parametrize("two_gateways", [{"TOLLGATE_RESERVATION_TTL_S": "3"}],
+@pytest.mark.parametrize("gateways", [{"processes": 2, "TOLLGATE_RESERVATION_TTL_S": "3"}],
                          indirect=True)
-def test_a_killed_requests_reservation_is_released_within_its_ttl(two_gateways):
+def test_a_killed_requests_reservation_is_released_within_its_ttl(gateways):
     # given a hard budget that holds one long request's worst case but not two requests'
     org, project, key, secret = _org_key()
     long_worst = _worst_case(org, project, key, max_tokens=400, model="slow")
     short_worst = _worst_case(org, project, key, max_tokens=200)
     amount = long_worst + short_worst / 2
     quotas.budget_set(organization=org, amount=amount, hard=True)
-    doomed, survivor = two_gateways
+    doomed, survivor = gateways
 
     # when a gateway dies mid-stream, its request never settles
     body = {"model": "slow", "messages": PROMPT, "max_tokens": 400, "stream": True}
@@ -196,3 +204,49 @@ def test_a_killed_requests_reservation_is_released_within_its_ttl(two_gateways):
     from billing_platform.redis_conn import get_redis
 
     assert get_redis().zcard(admission.reservations_key(org.id)) == 0
+
+
+def test_a_key_revoked_through_the_api_is_refused_by_all_four_processes_at_once(gateways):
+    # given a key each of the four processes has just served (so each has looked it up)
+    org, project, key, secret = _org_key()
+    _admin, admin_secret = make_key(project=project, scopes=["admin"])
+    assert [_post(g, secret, max_tokens=1).status_code for g in gateways] == [200] * 4
+
+    # when an admin revokes it through the management API, on one of the processes
+    revoke = (f"{gateways[0].url}/api/v1/organizations/{org.public_id}/projects/"
+              f"{project.public_id}/api_keys/{key.public_id}/revoke/")
+    revoked = httpx.post(revoke, headers={"Authorization": f"Bearer {admin_secret}"}, timeout=30)
+    assert revoked.status_code == 200, revoked.text
+
+    # then the very next request is refused by every process, not only the one that revoked it
+    refused = [_post(g, secret, max_tokens=1) for g in gateways]
+    assert [r.status_code for r in refused] == [401] * 4
+    assert {r.json()["error"]["code"] for r in refused} == {"invalid_api_key"}
+
+
+def test_a_conversation_keeps_its_engines_cache_whichever_process_each_turn_lands_on(gateways):
+    # given four processes with different histories: two have routed a short request already,
+    # so "the least used engine" means another engine to them than to the other two
+    _org, _project, _key, secret = _org_key()
+    for g in gateways[1::2]:
+        assert _post(g, secret, max_tokens=1).status_code == 200
+    system = ("You are the support assistant of a bicycle shop. Answer in two sentences, "
+              "name the part, its price in euros and whether it is in stock today.")
+    messages = [{"role": "system", "content": system}]
+
+    # when eight turns of one conversation go round-robin over the four processes
+    turns = []
+    for turn, g in zip(range(8), itertools.cycle(gateways), strict=False):
+        messages.append({"role": "user", "content": f"Question {turn}: what about the brakes?"})
+        r = _post(g, secret, messages=messages, max_tokens=12)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        turns.append((usage["prompt_tokens"], cached))
+        messages.append({"role": "assistant",
+                         "content": r.json()["choices"][0]["message"]["content"]})
+
+    # then every turn after the first finds the conversation so far in its engine's KV cache
+    # (each process sends a prefix it has never seen to the engine every process ranks first)
+    for (previous_prompt, _), (_, cached) in itertools.pairwise(turns):
+        assert cached >= previous_prompt // 2, turns

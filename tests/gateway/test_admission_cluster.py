@@ -4,7 +4,8 @@ cluster, the Celery broker and Django's cache on the single ``REDIS_URL``.
 
 The tests are ``test_admission``'s own, collected here a second time with ``metering_stream``
 overridden, so they run unchanged: an RPM limit exact across four gateway processes, a TPM
-limit, a hard budget never exceeded by 200 concurrent requests.
+limit, a hard budget never exceeded by 200 concurrent requests, a key revoked through the API
+refused by all four processes at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from tests.gateway.test_admission import (  # noqa: F401 - collected here against the cluster
     gateways,
     test_200_concurrent_requests_never_exceed_a_hard_budget,
+    test_a_key_revoked_through_the_api_is_refused_by_all_four_processes_at_once,
     test_rpm_limit_of_60_across_four_gateway_processes_admits_exactly_60,
     test_tpm_limit_rejects_a_request_larger_than_the_limit_and_counts_max_tokens,
 )
