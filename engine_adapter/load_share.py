@@ -9,6 +9,15 @@ others' fields back, in one round trip every ``TOLLGATE_ROUTER_SHARE_S`` (defaul
 off the request path. A field older than ``STALE_S`` is ignored (its process stopped or went
 idle) and removed a while later.
 
+Placements travel faster than loads: a conversation's next turn may follow its previous one
+within milliseconds, through another process. So each placement (a routed prompt's deepest
+prefix block and its engine) is published at once, batched per event-loop turn, to the stream
+``<KEY>:routes``, and every busy process keeps a blocking ``XREAD`` on it that hands the
+others' placements to its router (``Router.observe_routes``) as they arrive: the next turn
+goes where the previous one is cached, whichever process placed it. The stream is capped
+(``ROUTES_MAXLEN`` entries, one per published batch); a process that starts reading reads the
+last ``ROUTES_WARM_S`` of it first.
+
 Redis unreachable: the process routes on its own counts (the single-process behaviour) until
 Redis answers again; the failure is logged once per outage, and no request waits or fails for
 it. The hash is one key, so it lives in one slot of a Redis Cluster.
@@ -35,6 +44,10 @@ KEY = "tg:router:inflight"
 STALE_S = 1.0  # a field not rewritten for this long is no longer counted
 FORGET_S = 30.0  # ... and is deleted after this long
 IDLE_STOP_S = 2.0  # a process with no traffic for this long stops exchanging
+ROUTES_MAXLEN = 20000  # entries of the placements stream (each one exchange's placements)
+ROUTES_WARM_S = 60.0  # a process (re)starting its exchange reads this much of the stream
+ROUTES_READ = 1000  # entries taken per read at most
+ROUTES_BLOCK_MS = 500  # how long one blocking read waits for placements
 log = logging.getLogger(__name__)
 
 
@@ -57,18 +70,67 @@ class LoadShare:
         self.field = f"{os.getpid()}:{secrets.token_hex(4)}"  # unique across hosts too
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._task: asyncio.Task | None = None
+        self.routes_key = f"{key}:routes"
+        self._routes_from = ""  # the last stream id read ('': none yet, start ROUTES_WARM_S back)
+        self._reader: asyncio.Task | None = None
+        self._publisher: asyncio.Task | None = None
         self._active_at = 0.0
         self._failing = False
+        router.on_route = self._route_noted
 
     def note_activity(self) -> None:
         """A request is being routed: keep the exchange running (started if it is not)."""
         if self.interval <= 0:
             return
         self._active_at = time.monotonic()
-        task = self._task
         loop = asyncio.get_running_loop()
-        if task is None or task.done() or task.get_loop() is not loop:
+        if not _running(self._task, loop):
             self._task = loop.create_task(self._run())
+        if not _running(self._reader, loop):
+            self._reader = loop.create_task(self._read_routes())
+
+    def _route_noted(self) -> None:
+        """The router placed a prompt: publish it (with this loop turn's others) right away."""
+        if self.interval <= 0:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # routed outside an event loop (a test, a script): nothing to share with
+        if not _running(self._publisher, loop):
+            self._publisher = loop.create_task(self._publish_routes())
+
+    async def _publish_routes(self) -> None:
+        await asyncio.sleep(0)  # the placements of this loop turn's other requests join in
+        while routed := self.router.drain_routed():
+            payload = json.dumps([[block.hex(), engine_id] for block, engine_id in routed])
+            try:
+                async with self._client().pipeline(transaction=False) as pipe:
+                    pipe.xadd(self.routes_key, {"p": self.field, "r": payload},
+                              maxlen=ROUTES_MAXLEN, approximate=True)
+                    pipe.pexpire(self.routes_key, int(ROUTES_WARM_S * 1000))
+                    await pipe.execute()
+            except (redis.exceptions.RedisError, OSError):
+                return  # placements are hints: lost ones cost cache hits, never a request
+
+    async def _read_routes(self) -> None:
+        # its own connection: a blocking read would hold up the exchange's commands
+        client = aredis.Redis.from_url(self.url, decode_responses=True,
+                                       socket_timeout=ROUTES_BLOCK_MS / 1000 + 2,
+                                       socket_connect_timeout=1)
+        try:
+            while time.monotonic() - self._active_at <= IDLE_STOP_S:
+                start = self._routes_from or f"{int((self.clock() - ROUTES_WARM_S) * 1000)}-0"
+                try:
+                    replies = await client.xread({self.routes_key: start}, count=ROUTES_READ,
+                                                 block=ROUTES_BLOCK_MS)
+                except (redis.exceptions.RedisError, OSError):
+                    await asyncio.sleep(max(self.interval, 0.1))  # the exchange logs it
+                    continue
+                for _stream, entries in replies or ():
+                    self._take_routes(entries)
+        finally:
+            await client.aclose()
 
     def _client(self) -> aredis.Redis:
         loop = asyncio.get_running_loop()
@@ -129,3 +191,21 @@ class LoadShare:
             # a failure here is harmless: the next exchange tries again
             with contextlib.suppress(redis.exceptions.RedisError, OSError):
                 await self._client().hdel(self.key, *forgotten)
+
+    def _take_routes(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        routes: list[tuple[bytes, str]] = []
+        for _id, values in entries:
+            if values.get("p") == self.field:
+                continue
+            try:
+                routes.extend((bytes.fromhex(block), str(engine_id))
+                              for block, engine_id in json.loads(values["r"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # not a placements entry of ours: skip it
+        if entries:
+            self._routes_from = entries[-1][0]
+        self.router.observe_routes(routes)
+
+
+def _running(task: asyncio.Task | None, loop: asyncio.AbstractEventLoop) -> bool:
+    return task is not None and not task.done() and task.get_loop() is loop

@@ -23,12 +23,14 @@ the fleet registry; loads are the router's own in-flight counts, the other gatew
 (``observe_peers``) and the last scraped queue.
 
 Many processes. Each gateway process has its own router, prefix indexes and in-flight counts.
-Two things keep N processes routing as one would: the rendezvous fallback (above), which makes
-a new prefix's engine a function of the prefix and the engine set alone, and the load bound
-computed on every process's in-flight requests, which ``engine_adapter.load_share`` exchanges
-through Redis every ``TOLLGATE_ROUTER_SHARE_S`` (a process alone would see 1/N of the load and
-bound its affinity N times too early). bench/routing.py ``--processes`` measures the hit rate
-of the same workload through N routers against one.
+Three things keep N processes routing as one would: the rendezvous fallback (above), which makes
+a new prefix's engine a function of the prefix and the engine set alone; the load bound
+computed on every process's in-flight requests; and the other processes' recent placements
+(``observe_routes``: the deepest block of each prompt they routed and its engine), so the next
+turn of a conversation another process placed, spilled by the bound or not, goes where its
+previous turn is cached. ``engine_adapter.load_share`` exchanges both through Redis every
+``TOLLGATE_ROUTER_SHARE_S``. bench/routing.py ``--processes`` measures the hit rate of the same
+workload through N routers against one.
 
 What is offered where (the fleet spec's pools) is known apart from which engines run: a model
 offered in a region whose engines are all down, stopped or not started yet is ``NoCapacity``
@@ -42,13 +44,14 @@ import hashlib
 import itertools
 import math
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, ModelTraits, NoCapacity
 
 BLOCK_CHARS = 64  # ~16 tokens per block: fine enough for system prompts, cheap to hash
+PEER_HINTS = 65536  # the other processes' placements remembered (deepest block -> engine)
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
@@ -120,6 +123,10 @@ class Router:
         self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
         self._scraped: dict[str, EngineLoad] = {}
         self._index: dict[str, PrefixIndex] = {}
+        # placements to tell the other processes (drained by load_share), and theirs
+        self._routed: deque[tuple[bytes, str]] = deque(maxlen=4096)
+        self._peer_routes: OrderedDict[bytes, str] = OrderedDict()
+        self.on_route: Callable[[], None] | None = None  # called after each placement
         self._rr = itertools.count()
         self.set_engines(engines)
 
@@ -161,6 +168,28 @@ class Router:
         last view; an empty mapping when there are none or their view is lost)."""
         with self._lock:
             self._peer_inflight = dict(inflight)
+
+    def observe_routes(self, routes: Iterable[tuple[bytes, str]]) -> None:
+        """Take placements the other gateway processes made: (a prompt's deepest block, the
+        engine it went to). Remembered LRU, up to ``PEER_HINTS``."""
+        with self._lock:
+            hints = self._peer_routes
+            for block, engine_id in routes:
+                hints[block] = engine_id
+                hints.move_to_end(block)
+            while len(hints) > PEER_HINTS:
+                hints.popitem(last=False)
+
+    def routed_hints(self) -> int:
+        """Return how many of the other processes' placements this router remembers."""
+        return len(self._peer_routes)
+
+    def drain_routed(self) -> list[tuple[bytes, str]]:
+        """Take this process's placements since the last call (for the other processes)."""
+        with self._lock:
+            routed = list(self._routed)
+            self._routed.clear()
+            return routed
 
     def inflight_counts(self) -> dict[str, int]:
         """Return this process's in-flight requests per engine (engines with none left out)."""
@@ -227,7 +256,10 @@ class Router:
             self._assigned[engine.engine_id] = self._assigned.get(engine.engine_id, 0) + 1
             if blocks:
                 self._index[engine.engine_id].insert(blocks)
-            return Decision(engine, matched, self.policy)
+                self._routed.append((blocks[-1], engine.engine_id))
+        if blocks and self.on_route is not None:
+            self.on_route()
+        return Decision(engine, matched, self.policy)
 
     def _pick(self, pool: list[EngineInfo], blocks: list[bytes]) -> tuple[EngineInfo, int]:
         if self.policy == "round_robin":
@@ -250,6 +282,14 @@ class Router:
             if m > best_match or (m == best_match and m > 0
                                   and loads[e.engine_id] < loads[best.engine_id]):
                 best, best_match = e, m
+        if best_match < len(blocks) and self._peer_routes:
+            # another process may have placed a longer prefix of this prompt (the previous
+            # turn of a conversation it served): deepest first, blocks are chained hashes
+            under = {e.engine_id: e for e in pool if loads[e.engine_id] + 1 <= cap}
+            for depth in range(len(blocks), best_match, -1):
+                engine_id = self._peer_routes.get(blocks[depth - 1])
+                if engine_id in under:
+                    return under[engine_id], depth
         if best_match == 0:  # a prefix new to this process: where every process sends it
             for e in sorted(pool, key=lambda e: _rendezvous(blocks[0], e.engine_id),
                             reverse=True):

@@ -1,11 +1,13 @@
 """Many gateway processes route as one: the same engine for a prefix whichever process a request
-lands on, and the load bound computed on every process's requests (shared through real Redis)."""
+lands on, the load bound computed on every process's requests, and a conversation's next turn
+sent where another process placed its previous one (shared through real Redis)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 import pytest
@@ -67,7 +69,7 @@ def test_other_processes_in_flight_requests_count_towards_the_bound():
 def share_key() -> str:
     key = f"tg:router:test:{uuid.uuid4().hex[:8]}"
     yield key
-    redis.Redis.from_url(settings.REDIS_URL).delete(key)
+    redis.Redis.from_url(settings.REDIS_URL).delete(key, f"{key}:routes")
 
 
 def test_processes_exchange_in_flight_counts_through_redis(share_key):
@@ -96,6 +98,38 @@ def test_processes_exchange_in_flight_counts_through_redis(share_key):
 
     asyncio.run(scenario())
     assert "gone:0" not in r.hgetall(share_key)  # forgotten, not only ignored
+
+
+def test_the_next_turn_goes_where_another_process_placed_the_previous_one(share_key):
+    # given process B, which sent the tenant's system prompt to one engine with a conversation
+    a, b = Router(_engines(2)), Router(_engines(2))
+    share_a = LoadShare(a, settings.REDIS_URL, key=share_key)
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key)
+    other = SYSTEM + "<user>What is on my last invoice?\n"
+    first = b.choose(model="m", namespace="org", prompt=other).engine.engine_id
+    b.release(first)
+    turn_1 = SYSTEM + ("<user>Why was I charged twice for the same batch job last month, once "
+                       "on the 3rd and again on the 4th, with the same number of tokens?\n")
+    turn_2 = turn_1 + "<assistant>The batch was retried once.\n<user>Refund the second one.\n"
+
+    async def scenario() -> str:
+        share_a.note_activity()
+        share_b.note_activity()
+        # and process A, which placed a conversation's first turn on the other engine (the
+        # first one was busy then)
+        a.observe_peers({first: 10})
+        placed = a.choose(model="m", namespace="org", prompt=turn_1).engine.engine_id
+        assert placed != first
+        a.release(placed)
+        a.observe_peers({})
+        deadline = time.monotonic() + 5
+        while b.routed_hints() == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        # when the conversation's second turn reaches process B
+        return b.choose(model="m", namespace="org", prompt=turn_2).engine.engine_id
+
+    # then B sends it where turn 1 is cached, not where its own index has the system prompt
+    assert asyncio.run(scenario()) != first
 
 
 def test_a_field_older_than_stale_is_not_counted(share_key):
