@@ -103,6 +103,33 @@ def usage_recorded_on_commit(sums: Mapping[RollupKey, RollupSums]) -> None:
     transaction.on_commit(lambda: usage_recorded(sums))
 
 
+def _shard_backlog(r: Any, key: str, group: str) -> tuple[int, int, int | None]:
+    """Return one usage stream's length, backlog (undelivered plus delivered but not
+    acknowledged) and the time (ms) of its oldest unrecorded event (None: none waiting)."""
+    length = r.xlen(key)
+    info = None
+    if length:
+        try:
+            info = next((g for g in r.xinfo_groups(key)
+                         if g["name"] in (group, group.encode())), None)
+        except redis.ResponseError:  # the stream vanished between the two calls
+            info = None
+    if info is None:
+        # no consumer has ever joined: everything on the stream waits
+        backlog, oldest = length, (r.xrange(key, count=1) if length else [])
+    else:
+        pending = int(info["pending"])
+        lag = info.get("lag")
+        backlog = pending + (int(lag) if lag is not None else length)
+        if pending:
+            oldest = [(r.xpending(key, group)["min"], None)]
+        else:
+            last = info["last-delivered-id"]
+            last = last.decode() if isinstance(last, bytes) else last
+            oldest = r.xrange(key, min=f"({last}", count=1)
+    return length, backlog, (stream.entry_ms(oldest[0][0]) if oldest else None)
+
+
 class MeteringCollector:
     """Ingest backlog and lag (Redis), dead letters (PostgreSQL), the spool (this host's disk)."""
 
@@ -115,34 +142,18 @@ class MeteringCollector:
     @staticmethod
     def _stream() -> Iterator[Metric]:
         r = stream.client(socket_timeout=1.0)
-        key, group = conf.stream_key(), conf.consumer_group()
-        length = r.xlen(key)
-        info = None
-        if length:
-            try:
-                info = next((g for g in r.xinfo_groups(key)
-                             if g["name"] in (group, group.encode())), None)
-            except redis.ResponseError:  # the stream vanished between the two calls
-                info = None
-        if info is None:
-            # no consumer has ever joined: everything on the stream waits
-            backlog, oldest = length, (r.xrange(key, count=1) if length else [])
-        else:
-            pending = int(info["pending"])
-            lag = info.get("lag")
-            backlog = pending + (int(lag) if lag is not None else length)
-            if pending:
-                oldest_id = r.xpending(key, group)["min"]
-                oldest = [(oldest_id, None)]
-            else:
-                last = info["last-delivered-id"]
-                last = last.decode() if isinstance(last, bytes) else last
-                oldest = r.xrange(key, min=f"({last}", count=1)
+        group = conf.consumer_group()
+        backlog = length = 0
+        oldest_ms: int | None = None
+        for key in conf.stream_keys():  # every shard: the gauges are totals (age: the oldest)
+            shard_length, shard_backlog, shard_oldest = _shard_backlog(r, key, group)
+            length += shard_length
+            backlog += shard_backlog
+            if shard_oldest is not None:
+                oldest_ms = shard_oldest if oldest_ms is None else min(oldest_ms, shard_oldest)
         age = 0.0
-        if oldest:
+        if oldest_ms is not None:
             seconds, micros = r.time()
-            # redis-py's reply type allows a None entry id; Redis never sends one
-            oldest_ms = stream.entry_ms(oldest[0][0])  # type: ignore[arg-type]
             age = max(0.0, seconds + micros / 1e6 - oldest_ms / 1000)
         yield _gauge("tollgate_ingest_backlog_events",
                      "Usage events on the stream not yet recorded in PostgreSQL (undelivered "
