@@ -245,9 +245,10 @@ class PipelinedConnection:
                     _, protocol = await loop.create_connection(
                         _Replies, o.get("host", "localhost"), o.get("port", 6379), ssl=context)
         except (OSError, TimeoutError) as exc:
+            where = o.get("path") or f"{o.get('host', 'localhost')}:{o.get('port', 6379)}"
             raise NotConnected(
-                f"cannot connect to Redis: {exc!r}; is it running at the configured "
-                f"REDIS_URL?") from exc
+                f"cannot connect to Redis at {where}: {exc!r}; is it running there (REDIS_URL, "
+                f"or REDIS_CLUSTER_URL for a cluster)?") from exc
         setup: list[tuple[Any, ...]] = []
         if o.get("password"):
             setup.append(("AUTH", *([o["username"]] if o.get("username") else []),
