@@ -90,6 +90,9 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
         "finance-export": _every(env.FINANCE_EXPORT_S, "finance.export", expires=3600.0),
         "metering-replay-spool": _every(metering_conf.spool_replay_s(), "metering.replay_spool"),
         "metering-ensure-partitions": _every(3600.0, "metering.ensure_partitions"),
+        # TOLLGATE_USAGE_RETENTION_MONTHS: old months archived and dropped once billed, the
+        # idempotency keys before the horizon deleted (a no-op while it is 0)
+        "usage-retire": _every(86400.0, "invoicing.usage_retire", expires=3600.0),
         # both recompute a recent window each run: a dropped beat is made up by the next
         "metering-cost-attribute": _every(metering_conf.cost_attribute_every_s(),
                                           "metering.cost_attribute"),

@@ -34,10 +34,11 @@ from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.models import ApiKey, Organization, Project, User
 from billing_platform.accounts.selectors import org_access, organizations_for_user
 from billing_platform.errors import Forbidden, InvalidRequest, NotFound
-from metering import conf, events, services
+from metering import conf, events, retention, services
 from metering import serializers as s
 from metering.choices import EventSource
 from metering.recording import TRANSIENT, close_broken_connection
+from metering.retention import UsageBeyondRetention
 from metering.selectors import (
     EVENT_GROUPS,
     GROUPS,
@@ -108,7 +109,10 @@ class UsageEventIngestApi(APIView):
                     "changes nothing, so a retried call is safe. Your ids are your own: they "
                     "never meet the platform's request ids (`req_...` of /v1 requests and "
                     "batch lines); an event that reports one is refused (`id_conflict`) and "
-                    "the attempt is kept for review. Events are rated at their `event_time`.",
+                    "the attempt is kept for review. Events are rated at their `event_time`. "
+                    "With usage retention on (`TOLLGATE_USAGE_RETENTION_MONTHS`), an event dated "
+                    "before the retention horizon is refused (`beyond_retention`, naming the "
+                    "horizon): its id could no longer be checked, so it could be billed twice.",
     )
     def post(self, request: Request) -> Response:
         body = s.UsageEventBatchSerializer(data=request.data)
@@ -140,7 +144,8 @@ class UsageEventIngestApi(APIView):
                 valid.append((index, _to_event(e, org=org, caller=caller, projects=projects,
                                                keys=keys, now=now)))
             except InvalidRequest as exc:
-                errors.append({"index": index, "id": e["id"], "code": "invalid",
+                code = exc.code if isinstance(exc, UsageBeyondRetention) else "invalid"
+                errors.append({"index": index, "id": e["id"], "code": code,
                                "errors": _field_errors(exc)})
 
         try:
@@ -214,6 +219,7 @@ def _to_event(e: dict[str, Any], *, org: Organization, caller: UsageCaller,
     else:
         raise InvalidRequest("project is required.", param="project")
     event_time = e.get("event_time") or now
+    retention.refuse_beyond_horizon(event_time, now=now)
     if event_time < org.created_at:
         # before the organization's first billing period: it would be rated and never invoiced
         raise InvalidRequest("event_time is before the organization was created "

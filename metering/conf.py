@@ -116,6 +116,23 @@ def spool_replay_s() -> float:
     return float(_setting("METERING_SPOOL_REPLAY_S", "TOLLGATE_SPOOL_REPLAY_S", 30.0, float))
 
 
+def usage_retention_months() -> int:
+    """Return how many whole months before the current one usage is kept (0: forever).
+
+    See ``metering.retention``: older months' partitions are archived and dropped once
+    billing no longer needs them, their idempotency keys deleted, and events dated before
+    the horizon refused.
+    """
+    return max(0, int(_setting("METERING_USAGE_RETENTION_MONTHS",
+                               "TOLLGATE_USAGE_RETENTION_MONTHS", 0, int)))
+
+
+def usage_archive_dir() -> Path:
+    """Return the directory retired usage partitions are archived to (CSV.gz + manifest)."""
+    return Path(_setting("METERING_USAGE_ARCHIVE_DIR", "TOLLGATE_USAGE_ARCHIVE_DIR",
+                         str(STATE_DIR / "usage-archive")))
+
+
 def usage_api_max_range_days() -> int:
     """Return the longest range ``GET /api/v1/usage`` sums in one request (days)."""
     return int(_setting("METERING_USAGE_MAX_RANGE_DAYS", "TOLLGATE_USAGE_MAX_RANGE_DAYS", 366,

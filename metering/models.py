@@ -137,6 +137,8 @@ class UsageEventId(models.Model):
 
     class Meta:
         db_table = "usage_event_id"
+        # retention deletes the keys before its horizon (metering.retention)
+        indexes = [models.Index(fields=["event_time"], name="usage_event_id_time")]
 
     def __str__(self) -> str:
         return self.request_id

@@ -15,7 +15,7 @@ from datetime import UTC, date, datetime
 from django.db import connection, transaction
 
 PARENT = "usage_event"
-_LOCK_KEY = 0x7467_7573  # "tgus": one advisory lock for partition DDL
+LOCK_KEY = 0x7467_7573  # "tgus": one advisory lock for partition DDL
 _known: set[tuple[str, date]] = set()
 
 
@@ -36,6 +36,16 @@ def partition_name(month: date) -> str:
     return f"{PARENT}_y{month.year:04d}m{month.month:02d}"
 
 
+def _months_named(names: Iterable[str]) -> set[date]:
+    months = set()
+    for name in names:
+        suffix = name.removeprefix(f"{PARENT}_y")
+        if len(suffix) == 7 and suffix[4] == "m" and suffix[:4].isdigit() \
+                and suffix[5:].isdigit():
+            months.add(date(int(suffix[:4]), int(suffix[5:]), 1))
+    return months
+
+
 def existing() -> set[date]:
     """Return the months that have a partition in the database."""
     with connection.cursor() as cur:
@@ -43,13 +53,19 @@ def existing() -> set[date]:
             "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
             "WHERE i.inhparent = %s::regclass", [PARENT],
         )
-        names = [row[0] for row in cur.fetchall()]
-    months = set()
-    for name in names:
-        suffix = name.removeprefix(f"{PARENT}_y")
-        if len(suffix) == 7 and suffix[4] == "m":
-            months.add(date(int(suffix[:4]), int(suffix[5:]), 1))
-    return months
+        return _months_named(row[0] for row in cur.fetchall())
+
+
+def detached() -> set[date]:
+    """Return the months whose table exists but is no partition any more (detached by
+    ``metering.retention``, not dropped yet)."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT c.relname FROM pg_class c "
+            "WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r' "
+            "AND NOT c.relispartition AND c.relname LIKE %s", [f"{PARENT}\\_y%"],
+        )
+        return _months_named(row[0] for row in cur.fetchall())
 
 
 def ensure(months: Iterable[date]) -> list[str]:
@@ -62,7 +78,7 @@ def ensure(months: Iterable[date]) -> list[str]:
     durable = not connection.in_atomic_block
     created = []
     with transaction.atomic(), connection.cursor() as cur:
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", [_LOCK_KEY])
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", [LOCK_KEY])
         have = existing()
         for month in sorted(wanted - have):
             upper = add_months(month, 1)
@@ -86,6 +102,11 @@ def ensure_ahead(*, months_ahead: int = 2, now: datetime | None = None) -> list[
     """Create this month's partition and the next ``months_ahead`` ones."""
     current = month_of(now or datetime.now(UTC))
     return ensure(add_months(current, n) for n in range(months_ahead + 1))
+
+
+def forget_month(month: date) -> None:
+    """Drop this process's memory of one month's partition (it was detached)."""
+    _known.difference_update({k for k in _known if k[1] == month})
 
 
 def forget() -> None:

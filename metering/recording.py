@@ -18,7 +18,9 @@ Either everything commits or nothing does, so a caller acknowledges its source (
 file removal, HTTP 200) only after ``record_rows`` returns. An event that makes the batch fail
 for a reason of its own (the rater refuses it, a value PostgreSQL rejects) is isolated by
 bisecting the batch under savepoints and kept verbatim in ``usage_deadletter``; the rest is
-recorded. Connection-level failures propagate: the caller retries or falls back.
+recorded. Connection-level failures propagate: the caller retries or falls back. Events dated
+before the usage retention horizon (``metering.retention``) are dead-lettered before any of
+that, with the reason: their idempotency keys are no longer kept.
 
 Rows are tuples in ``metering.events.ROW_FIELDS`` order with ``event_time`` as a UTC ISO
 string, the shape the stream carries, so the consumer formats COPY lines without building
@@ -48,7 +50,7 @@ from django.db import (
 )
 
 from billing_platform.accounts.selectors import organization_data_zones
-from metering import faults, metrics, partitions
+from metering import faults, metrics, partitions, retention
 from metering.events import I_ORG, I_REQUEST, I_TIME, I_ZONE, Row, UsageEventData, row_wire, to_row
 
 if TYPE_CHECKING:
@@ -328,6 +330,17 @@ def _dead_letter(rows: Iterable[Row], error: BaseException, origin: str) -> None
     )
 
 
+def _refuse_beyond_horizon(rows: Sequence[Row], limit: datetime | None, origin: str
+                           ) -> RecordResult:
+    """Dead-letter rows dated before the retention horizon ``limit``, saying why."""
+    if not rows or limit is None:
+        return RecordResult()
+    log.warning("%d usage event(s) dated before the retention horizon %s dead-lettered "
+                "(origin %s), e.g. %s", len(rows), limit.date(), origin, rows[0][I_REQUEST])
+    _dead_letter(rows, retention.UsageBeyondRetention(retention.beyond_message(limit)), origin)
+    return RecordResult(dead_lettered=[(r[I_ORG], r[I_REQUEST]) for r in rows])
+
+
 def _record_or_isolate(rows: Sequence[Row], origin: str, *, isolate: bool, trusted_text: bool
                        ) -> RecordResult:
     try:
@@ -384,14 +397,22 @@ def record_rows(rows: Iterable[Row], *, origin: str, isolate: bool = True,
     DDL and the batch share that transaction's fate.
     """
     unique, again = _unique(rows)
-    if not unique:
+    unique, beyond, limit = retention.split_beyond_horizon(unique)
+    if beyond and limit is not None and not isolate:
+        raise retention.UsageBeyondRetention(retention.beyond_message(limit),
+                                             param="event_time")
+    if not unique and not beyond:
         return RecordResult(duplicates=again)
-    partitions.ensure(_months(unique))
+    if unique:
+        partitions.ensure(_months(unique))
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic():
-                result = _record_or_isolate(unique, origin, isolate=isolate,
-                                            trusted_text=trusted_text)
+                # in the batch's transaction: a retried batch does not dead-letter them twice
+                result = _refuse_beyond_horizon(beyond, limit, origin)
+                if unique:
+                    result.merge(_record_or_isolate(unique, origin, isolate=isolate,
+                                                    trusted_text=trusted_text))
             faults.point("after_commit")
             result.duplicates += again
             return result

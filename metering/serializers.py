@@ -86,7 +86,7 @@ class UsageEventOutcomeSerializer(serializers.Serializer):
 class UsageEventErrorSerializer(serializers.Serializer):
     index = serializers.IntegerField()
     id = serializers.CharField(allow_null=True)
-    code = serializers.CharField(help_text="invalid | not_rated | id_conflict")
+    code = serializers.CharField(help_text="invalid | beyond_retention | not_rated | id_conflict")
     errors = serializers.DictField(help_text="field -> messages")  # type: ignore[assignment]
 
 

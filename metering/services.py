@@ -1,5 +1,5 @@
 """Writes of the metering app: append a usage event durably, record batches, replay the spool,
-retry dead letters (staff, audited).
+retry dead letters (staff, audited), create and retire monthly partitions.
 
 ``usage_event_append`` is what the gateway calls before a response ends. It tries, in order:
 
@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from billing_platform.audit.services import audit_record
 from billing_platform.errors import DomainError, InvalidRequest, NotFound
-from metering import conf, events, partitions, recording, spool, stream
+from metering import conf, events, partitions, recording, retention, spool, stream
 from metering.events import UsageEventData
 from metering.metrics import APPENDS, ID_CONFLICTS, STREAM_FULL
 from metering.models import UsageDeadLetter, UsageEventId
@@ -280,6 +280,13 @@ def usage_spool_replay() -> spool.ReplayReport:
 def usage_partitions_ensure(*, months_ahead: int = 2) -> list[str]:
     """Create this month's usage_event partition and the next ``months_ahead``."""
     return partitions.ensure_ahead(months_ahead=months_ahead)
+
+
+def usage_partitions_retire(*, held: retention.HeldFn, now: datetime | None = None
+                            ) -> retention.RetireReport:
+    """Apply the usage retention horizon: archive and drop the old months ``held`` does not
+    keep, delete the idempotency keys before the horizon (``metering.retention``)."""
+    return retention.retire(held=held, now=now)
 
 
 DeadLetterOutcome = Literal["recorded", "duplicate", "already_resolved", "failed"]

@@ -10,6 +10,8 @@ import stripe
 from celery import shared_task
 
 from billing_platform.invoicing import services
+from billing_platform.invoicing.retention import usage_months_held
+from metering.services import usage_partitions_retire
 
 # Only Stripe's transient errors are retried (with backoff); a decline is an outcome, not an
 # error, and anything else must surface.
@@ -74,3 +76,16 @@ def billing_invariant_task() -> dict[str, Any]:
     return {"orgs": len({d.org_id for d in differences}),
             "differences": [{"org_id": d.org_id, "currency": d.currency,
                              "difference": str(d.difference)} for d in differences]}
+
+
+@shared_task(name="invoicing.usage_retire")
+def usage_retire_task() -> dict[str, Any]:
+    """Apply metering's usage retention, keeping the months billing still reads.
+
+    Here, not in metering's tasks: invoicing decides which months it is done with and calls
+    metering (``invoicing -> metering``, never the other way).
+    """
+    report = usage_partitions_retire(held=usage_months_held)
+    return {"horizon": report.horizon.isoformat() if report.horizon else None,
+            "retired": report.retired, "held": report.held, "ids_deleted": report.ids_deleted,
+            "busy": report.busy}
