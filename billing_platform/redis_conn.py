@@ -384,7 +384,11 @@ class ClusterPipelinedConnection:
             f"the configured REDIS_CLUSTER_URL?")
 
     async def execute(self, *args: Any) -> Any:
-        key = _first_key(args)
+        return await self.execute_on(_first_key(args), *args)
+
+    async def execute_on(self, key: Any, *args: Any) -> Any:
+        """Send a command to the master of ``key``'s slot, on the connection that carries that
+        master's other commands (``WAIT`` after a write counts the write)."""
         if key is None:
             if str(args[0]).upper() == "SCRIPT":
                 masters = set(await self._map())

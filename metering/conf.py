@@ -82,6 +82,22 @@ def wait_aof() -> bool:
     return bool(_setting("METERING_WAIT_AOF", "TOLLGATE_USAGE_WAITAOF", False, bool))
 
 
+def wait_replicas() -> int:
+    """Return how many replicas must acknowledge an append before it counts (``WAIT``; 0: do
+    not wait). Redis replicates asynchronously: an event a master acknowledged and lost in a
+    failover before its replica had it would be lost; with this set, an append its replicas
+    did not acknowledge within ``wait_replicas_ms`` is written to PostgreSQL directly instead
+    (if the stream's copy survives too, ingest records the event once: its id is its key)."""
+    return max(0, int(_setting("METERING_WAIT_REPLICAS", "TOLLGATE_USAGE_WAIT_REPLICAS", 0,
+                               int)))
+
+
+def wait_replicas_ms() -> int:
+    """Return how long an append waits for its replicas (``TOLLGATE_USAGE_WAIT_REPLICAS_MS``)."""
+    return max(1, int(_setting("METERING_WAIT_REPLICAS_MS", "TOLLGATE_USAGE_WAIT_REPLICAS_MS",
+                               200, int)))
+
+
 def stream_max_length() -> int:
     """Return the cap of the usage stream (entries): at it, appends go to PostgreSQL directly.
 

@@ -19,6 +19,12 @@ are trimmed by the consumer (``trim_acknowledged``), so the stream's length is i
 The script's ``MAXLEN ~`` is a backstop that never fires for our appends (they stop at the
 cap, and ``~`` trims only whole nodes beyond it). Before the cap is reached the append logs a
 warning (``conf.stream_alarm_length``) and ``/metrics`` shows the length beside the cap.
+
+Durability beyond the master's memory is opt-in: ``TOLLGATE_USAGE_WAITAOF`` waits for the
+master's AOF fsync (single Redis), ``TOLLGATE_USAGE_WAIT_REPLICAS`` for replicas (``WAIT``,
+single Redis or cluster: sent on the connection that carried the append, to the stream's
+master). An append that is not durable in time raises like a Redis failure, so the caller
+writes the event to PostgreSQL directly; a copy left on the stream is recorded once.
 """
 
 from __future__ import annotations
@@ -121,6 +127,28 @@ _cluster_connections: weakref.WeakKeyDictionary[
 APPEND_SHA = hashlib.sha1(APPEND_LUA.encode()).hexdigest()  # noqa: S324 - Redis's script id
 
 
+def _waits() -> list[tuple[Any, ...]]:
+    """Return the commands an append is followed by before it counts (none by default)."""
+    waits: list[tuple[Any, ...]] = []
+    if conf.wait_aof():
+        waits.append(("WAITAOF", 1, 0, 1000))
+    if conf.wait_replicas():
+        waits.append(("WAIT", conf.wait_replicas(), conf.wait_replicas_ms()))
+    return waits
+
+
+def _check_waits(waits: Sequence[tuple[Any, ...]], replies: Sequence[Any]) -> None:
+    """Raise ``redis.RedisError`` unless every wait was met."""
+    for command, reply in zip(waits, replies, strict=True):
+        if command[0] == "WAITAOF":
+            if not reply[0]:
+                raise redis.RedisError("Redis did not fsync the usage event(s) within 1 s")
+        elif int(reply) < command[1]:
+            raise redis.RedisError(
+                f"{int(reply)} of {command[1]} Redis replica(s) acknowledged the usage "
+                f"event(s) within {command[2]} ms (TOLLGATE_USAGE_WAIT_REPLICAS)")
+
+
 async def _aappend_on_cluster(key: str, args: list[int | bytes]) -> int:
     """Run the append script on the stream's master, through this loop's pipelined cluster
     connection (redis-py's asyncio cluster client raised AttributeError, not a RedisError,
@@ -131,9 +159,12 @@ async def _aappend_on_cluster(key: str, args: list[int | bytes]) -> int:
         connection = _cluster_connections[loop] = ClusterPipelinedConnection(
             conf.redis_url(), connect_timeout=1.0)
     try:
-        return int(await connection.execute("EVALSHA", APPEND_SHA, 1, key, *args))
+        length = int(await connection.execute("EVALSHA", APPEND_SHA, 1, key, *args))
     except NoScriptError:  # a restarted or new master: EVAL loads it
-        return int(await connection.execute("EVAL", APPEND_LUA, 1, key, *args))
+        length = int(await connection.execute("EVAL", APPEND_LUA, 1, key, *args))
+    waits = _waits()  # on the connection that carried the append: they count its writes
+    _check_waits(waits, [await connection.execute_on(key, *w) for w in waits])
+    return length
 
 
 def reset_clients() -> None:
@@ -222,15 +253,15 @@ async def aappend(payload: bytes, *, key: str | None = None) -> int:
     try:
         if _cluster():
             length = await _aappend_on_cluster(key, args)
-        elif conf.wait_aof():
+        elif waits := _waits():
             r = aclient()
             script = _script(r)
             async with r.pipeline(transaction=False) as pipe:
                 await script(keys=[key], args=args, client=pipe)
-                pipe.execute_command("WAITAOF", 1, 0, 1000)
-                length, (local, _replicas) = await pipe.execute()
-            if not local:
-                raise redis.RedisError("Redis did not fsync the usage event within 1 s")
+                for command in waits:
+                    pipe.execute_command(*command)
+                length, *replies = await pipe.execute()
+            _check_waits(waits, replies)
         else:
             length = await _script(aclient())(keys=[key], args=args)
     except redis.ResponseError as exc:
@@ -243,9 +274,10 @@ def append_many(payloads: Sequence[bytes], *, key: str | None = None) -> int:
     """Append several encoded events to ``key`` (one shard; ``conf.stream_key()`` by default)
     in one round trip, all or none; return the stream's length after them.
 
-    With ``wait_aof`` the answer waits until Redis has fsync'd them all. Raise ``StreamFull``
-    when they do not fit under the cap (none appended), another ``redis.RedisError`` when
-    Redis failed (with ``wait_aof``, they may have been appended but not fsync'd).
+    With ``wait_aof`` / ``wait_replicas`` the answer waits until Redis has fsync'd them all /
+    its replicas have them. Raise ``StreamFull`` when they do not fit under the cap (none
+    appended), another ``redis.RedisError`` when Redis failed (after a wait that was not met,
+    they may have been appended: a copy on the stream is recorded once).
     """
     r = client()
     script = _script(r)
@@ -253,14 +285,17 @@ def append_many(payloads: Sequence[bytes], *, key: str | None = None) -> int:
     args: list[int | bytes] = [conf.stream_max_length(), *payloads]
     length: int
     try:
-        if conf.wait_aof():
-            pipe = r.pipeline(transaction=False)
+        if waits := _waits():
+            # one connection carries the append and the waits (on a cluster: the master's)
+            node = (r.get_redis_connection(r.get_node_from_key(key))
+                    if isinstance(r, RedisCluster) else r)
+            pipe = node.pipeline(transaction=False)
             script(keys=[key], args=args, client=pipe)
-            # redis-py leaves Pipeline.execute_command unannotated
-            pipe.execute_command("WAITAOF", 1, 0, 1000)  # type: ignore[no-untyped-call]
-            length, (local, _replicas) = pipe.execute()
-            if not local:
-                raise redis.RedisError("Redis did not fsync the usage events within 1 s")
+            for command in waits:
+                # redis-py leaves Pipeline.execute_command unannotated
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            length, *replies = pipe.execute()
+            _check_waits(waits, replies)
         else:
             length = script(keys=[key], args=args)
     except redis.ResponseError as exc:

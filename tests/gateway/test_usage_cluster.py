@@ -48,22 +48,26 @@ def metering_stream(settings, tmp_path, cluster) -> Iterator[dict[str, str]]:  #
     stream.reset_clients()
 
 
-@pytest.fixture
-def consumers(live_gateway, metering_stream, tmp_path) -> Iterator[list[subprocess.Popen]]:
-    """Two ingest processes: shards 0 and 1, and shard 2."""
+def start_consumers(env: dict[str, str], tmp_path, shard_sets: list[str | None]
+                    ) -> list[subprocess.Popen]:
+    """Start one ``manage.py ingest_usage`` per entry (its ``--shards``; None: all) with the
+    gateway's ``env``; return once each has joined its consumer group."""
     procs = []
-    for i, shards in enumerate(("0,1", "2")):
+    for i, shards in enumerate(shard_sets):
         log = open(tmp_path / f"ingest-{i}.log", "wb")  # noqa: SIM115 - closed by the process
         procs.append(subprocess.Popen(
-            [sys.executable, "manage.py", "ingest_usage", "--shards", shards, "--block-ms",
-             "100", "--claim-idle-ms", "2000", "--name", f"ingest-{i}"],
+            [sys.executable, "manage.py", "ingest_usage", *(["--shards", shards] if shards
+                                                             else []),
+             "--block-ms", "100", "--claim-idle-ms", "2000", "--name", f"ingest-{i}"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "DATABASE_URL": gateway_conftest.test_database_url(),
-                 **metering_stream}))
+            env={**os.environ, "DATABASE_URL": gateway_conftest.test_database_url(), **env}))
     for i in range(len(procs)):
         wait_until(lambda i=i: b"ingest_usage: consumer" in (
             tmp_path / f"ingest-{i}.log").read_bytes(), timeout=30, what="ingest started")
-    yield procs
+    return procs
+
+
+def stop_consumers(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     for proc in procs:
@@ -73,7 +77,15 @@ def consumers(live_gateway, metering_stream, tmp_path) -> Iterator[list[subproce
             proc.kill()
 
 
-def _orgs(count: int) -> list[str]:
+@pytest.fixture
+def consumers(live_gateway, metering_stream, tmp_path) -> Iterator[list[subprocess.Popen]]:
+    """Two ingest processes: shards 0 and 1, and shard 2."""
+    procs = start_consumers(metering_stream, tmp_path, ["0,1", "2"])
+    yield procs
+    stop_consumers(procs)
+
+
+def orgs_on_every_shard(count: int) -> list[str]:
     """Return secrets of keys of ``count`` organizations, covering every shard."""
     secrets = []
     shards: set[int] = set()
@@ -84,7 +96,7 @@ def _orgs(count: int) -> list[str]:
     return secrets
 
 
-def _master_of(started: RedisCluster, key: str):
+def master_of(started: RedisCluster, key: str):
     slot = key_slot(key.encode())
     for start, end, (_host, port, *_id), *_replicas in started.masters[0].client(
             ).execute_command("CLUSTER", "SLOTS"):
@@ -93,7 +105,7 @@ def _master_of(started: RedisCluster, key: str):
     raise AssertionError(key)
 
 
-def _all_recorded_once(ids: list[str]) -> None:
+def all_recorded_once(ids: list[str]) -> None:
     wait_until(lambda: UsageEvent.objects.filter(request_id__in=ids).count() == len(ids),
                timeout=60, what=f"{len(ids)} events in PostgreSQL")
     time.sleep(1.0)  # anything recorded twice would show now
@@ -107,7 +119,7 @@ def _all_recorded_once(ids: list[str]) -> None:
 def test_events_of_many_orgs_land_once_through_sharded_streams(live_gateway, consumers,
                                                                cluster):  # noqa: F811
     # given organizations on every shard
-    secrets = _orgs(6)
+    secrets = orgs_on_every_shard(6)
 
     # when 90 requests of theirs arrive at once
     with ThreadPoolExecutor(12) as pool:
@@ -116,11 +128,11 @@ def test_events_of_many_orgs_land_once_through_sharded_streams(live_gateway, con
 
     # then each is recorded once, and each shard's stream carried its organizations' events
     assert [r.status_code for r in responses] == [200] * 90
-    _all_recorded_once([r.headers["x-request-id"] for r in responses])
+    all_recorded_once([r.headers["x-request-id"] for r in responses])
     keys = conf.stream_keys()
-    assert len({_master_of(cluster, k).port for k in keys}) >= 2  # spread over masters
+    assert len({master_of(cluster, k).port for k in keys}) >= 2  # spread over masters
     for key in keys:
-        info = _master_of(cluster, key).client().xinfo_groups(key)
+        info = master_of(cluster, key).client().xinfo_groups(key)
         assert info and info[0]["entries-read"] > 0, key  # consumed from every shard
     assert all(p.poll() is None for p in consumers)
 
@@ -128,8 +140,8 @@ def test_events_of_many_orgs_land_once_through_sharded_streams(live_gateway, con
 def test_a_master_killed_mid_traffic_loses_and_doubles_no_usage_event(live_gateway, consumers,
                                                                       cluster):  # noqa: F811
     # given traffic of organizations on every shard
-    secrets = _orgs(6)
-    victim = _master_of(cluster, conf.stream_keys()[0])
+    secrets = orgs_on_every_shard(6)
+    victim = master_of(cluster, conf.stream_keys()[0])
 
     def post(i: int):
         if i == 40:
@@ -143,5 +155,5 @@ def test_a_master_killed_mid_traffic_loses_and_doubles_no_usage_event(live_gatew
     # then every answered request is recorded exactly once
     ok = [r for r in responses if r.status_code == 200]
     assert len(ok) >= 140, [r.status_code for r in responses]
-    _all_recorded_once([r.headers["x-request-id"] for r in ok])
+    all_recorded_once([r.headers["x-request-id"] for r in ok])
     assert all(p.poll() is None for p in consumers)
