@@ -28,6 +28,11 @@ EMBEDDED_REDIS_PORT: int = env.int("TOLLGATE_REDIS_PORT", default=63799)
 DATABASE_URL: str = env.str(
     "DATABASE_URL", default=f"postgres://postgres@127.0.0.1:{EMBEDDED_PG_PORT}/tollgate"
 )
+# An optional streaming replica of DATABASE_URL for the read-heavy report pages
+# (billing_platform/db.py says which); unset, everything reads DATABASE_URL. Past the lag bound
+# (seconds), or when it does not answer, those pages read the primary.
+DATABASE_REPLICA_URL: str = env.str("DATABASE_REPLICA_URL", default="")
+DATABASE_REPLICA_MAX_LAG_S: float = env.float("DATABASE_REPLICA_MAX_LAG_S", default=5.0)
 REDIS_URL: str = env.str("REDIS_URL", default=f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 # Whether the environment names the servers itself: the devstack starts an embedded server only
 # for the one it does not.

@@ -50,6 +50,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "billing_platform.db.ReadYourWritesMiddleware",  # after auth: it pins the signed-in user
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",  # turns a locked-out login into the lockout page
@@ -82,6 +83,20 @@ if "postgres" not in _db["ENGINE"]:
 _db["ENGINE"] = "django_prometheus.db.backends.postgresql"
 _db["CONN_HEALTH_CHECKS"] = True
 DATABASES = {"default": _db}
+if E.DATABASE_REPLICA_URL:
+    # The reporting replica (billing_platform/db.py): configured like the default, never
+    # migrated or written (ReplicaRouter), a test run mirrors it onto the test database.
+    _replica = environ.Env.db_url_config(E.DATABASE_REPLICA_URL)
+    if "postgres" not in _replica["ENGINE"]:
+        raise RuntimeError("DATABASE_REPLICA_URL must be a PostgreSQL URL (postgres://...)")
+    _replica["ENGINE"] = _db["ENGINE"]
+    _replica["CONN_HEALTH_CHECKS"] = True
+    # a replica that does not answer must not hold a page for long: the page reads the primary
+    _replica.setdefault("OPTIONS", {}).setdefault("connect_timeout", 3)
+    _replica["TEST"] = {"MIRROR": "default"}
+    DATABASES["replica"] = _replica
+DATABASE_ROUTERS = ["billing_platform.db.ReplicaRouter"]
+DATABASE_REPLICA_MAX_LAG_S = E.DATABASE_REPLICA_MAX_LAG_S
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = E.REDIS_URL

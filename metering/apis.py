@@ -33,6 +33,7 @@ from rest_framework.views import APIView
 from billing_platform.accounts.choices import Scope
 from billing_platform.accounts.models import ApiKey, Organization, Project, User
 from billing_platform.accounts.selectors import org_access, organizations_for_user
+from billing_platform.db import replica_report
 from billing_platform.errors import Forbidden, InvalidRequest, NotFound
 from metering import conf, events, retention, services
 from metering import serializers as s
@@ -345,6 +346,7 @@ class UsageApi(APIView):
                     "takes at most `TOLLGATE_USAGE_MAX_FILTER_VALUES` values per filter (100; "
                     "`too_many_values`); beyond a bound it answers 400 saying which.",
     )
+    @replica_report  # may lag the primary by DATABASE_REPLICA_MAX_LAG_S (billing_platform/db.py)
     def get(self, request: Request) -> Response:
         q = s.UsageQuerySerializer(data=request.query_params)
         q.is_valid(raise_exception=True)

@@ -16,11 +16,12 @@ from decimal import Decimal
 from typing import Any, NamedTuple
 
 import numpy as np
-from django.db import connection, models
+from django.db import models
 from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.functions import TruncDay, TruncHour
 
 from billing_platform.accounts.choices import DataZone
+from billing_platform.db import reading_connection
 from metering.events import WIRE_VERSION
 from metering.models import (
     UsageCostInterval,
@@ -204,7 +205,7 @@ def rated_amounts_before(*, until: Mapping[int, datetime]) -> dict[tuple[int, st
     if not until:
         return {}
     orgs = list(until)
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_RATED_SQL, [orgs, [until[o] for o in orgs]])
         return {(org, currency): amount for org, currency, amount in cur}
 
@@ -307,7 +308,7 @@ def usage_sums_for_periods(*, periods: Sequence[tuple[int, datetime, datetime]]
     """
     if not periods:
         return []
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_PERIODS_SQL, [[p[0] for p in periods], [p[1] for p in periods],
                                    [p[2] for p in periods]])
         return [PeriodUsage._make(row) for row in cur]
@@ -354,7 +355,7 @@ def usage_late_hours(*, since: Mapping[int, datetime]) -> dict[int, list[datetim
         return {}
     instants, (index,) = _instants(since.values())
     out: dict[int, list[datetime]] = {}
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_LATE_HOURS_SQL, [instants, _joined(since), index])
         for org, hour in cur:
             out.setdefault(org, []).append(hour)
@@ -560,7 +561,7 @@ def usage_sums_since(*, since: Mapping[int, datetime], unit: str = "month",
     if not since:
         return []
     instants, (index,) = _instants(since.values())
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_SINCE_BOUNDS_SQL, [unit, instants])
         bounds = {at: (hs, ms, bucket) for at, hs, ms, bucket in cur}
         columns = list(zip(*[(at, *bounds[at]) for at in instants], strict=True))
@@ -610,7 +611,7 @@ def usage_recorded_after(*, windows: Sequence[tuple[Sequence[int], datetime, dat
         return set()
     orgs = ",".join(_joined(w[0]) for w in windows)
     index = ",".join(",".join([str(n)] * len(w[0])) for n, w in enumerate(windows, start=1))
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_RECORDED_AFTER_SQL, [[w[1] for w in windows], [w[2] for w in windows],
                                           [w[3] for w in windows], orgs, index])
         return {org for (org,) in cur}
@@ -641,7 +642,7 @@ def usage_event_costs(*, event_ids: Sequence[int]) -> dict[int, EventCost]:
     external engine's operator reported; add the two for its whole cost."""
     if not event_ids:
         return {}
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_EVENT_COSTS_SQL, [list(event_ids)])
         return {event_id: EventCost(Decimal(gpu_us).scaleb(-6), cost)
                 for event_id, gpu_us, cost in cur.fetchall()}
@@ -799,7 +800,7 @@ def _column_chunks(org_id: int, start: datetime, end: datetime) -> list[tuple[da
     """Split [start, end) at whole hours into ranges of about ``COLUMN_CHUNK_EVENTS`` events
     each (by the rollups' request counts; a wrong count only changes a chunk's size)."""
     out, lo, count = [], start, 0
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_CHUNK_HOURS_SQL, [org_id, start, end])
         for hour, requests in cur.fetchall():
             if count + requests > COLUMN_CHUNK_EVENTS and count and hour > lo:
@@ -822,7 +823,7 @@ def usage_event_columns(*, org_id: int, start: datetime, end: datetime
     words = _dictionaries(org_id, start, end)
     for lo, hi in _column_chunks(org_id, start, end):
         while True:
-            with connection.cursor() as cur:
+            with reading_connection().cursor() as cur:
                 cur.execute(_COLUMNS_SQL, {
                     "models": words["model"], "regions": words["region"],
                     "zones": words["data_zone"], "tiers": words["service_tier"],
@@ -928,7 +929,7 @@ _EVENT_COST = "e.cost_to_serve + COALESCE(s.cost, 0)"
 def _event_margin_rows(scope: MarginScope, columns: str, tail: str,
                        **params: Any) -> list[tuple[Any, ...]]:
     sql = _EVENT_MARGIN_SQL.format(columns=columns, tail=tail)
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(sql, {"start": scope.start, "end": scope.end, "org": scope.org_id,
                           "model": scope.model, "tier": scope.service_tier,
                           "currency": scope.currency, **params})

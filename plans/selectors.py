@@ -8,11 +8,11 @@ from datetime import datetime, timedelta
 from decimal import Context, Decimal, localcontext
 from typing import Any, NamedTuple
 
-from django.db import connection
 from django.db.models import Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
+from billing_platform.db import reading_connection
 from engine_adapter.selectors import zone_regions
 from metering.selectors import usage_events_outside_regions
 from plans.choices import PlanKind, ReservationTerm
@@ -298,7 +298,7 @@ def credit_movements(*, start: datetime, end: datetime, currency: str | None = N
         if value is not None:
             params[column] = value
             where += f" AND g.{column} = %({column})s"
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_CREDIT_MOVEMENTS_SQL.format(where=where), params)
         return [CreditMovement._make(row) for row in cur]
 

@@ -29,6 +29,7 @@ from django.utils import timezone
 from billing_platform.accounts.models import ApiKey
 from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console.views import org_page
+from billing_platform.db import replica_report
 from metering.selectors import UsageBucket, UsageFilter, usage_summary
 from plans.cache_savings import CachedUsage, cache_savings
 from plans.periods import month_bounds
@@ -220,5 +221,6 @@ def dashboard_context(access: OrgAccess, now: datetime) -> dict[str, Any]:
 
 
 @org_page()
+@replica_report  # may lag the primary by DATABASE_REPLICA_MAX_LAG_S (billing_platform/db.py)
 def dashboard(request: HttpRequest, access: OrgAccess) -> HttpResponse:
     return render(request, "console/dashboard.html", dashboard_context(access, timezone.now()))

@@ -30,6 +30,7 @@ from rest_framework import serializers
 
 from billing_platform.console.views import domain_error_page
 from billing_platform.csv_export import csv_writer
+from billing_platform.db import replica_report
 from billing_platform.errors import DomainError
 from billing_platform.finance import apis, reports
 from billing_platform.finance.margin_apis import MarginReportApi
@@ -253,6 +254,7 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 @finance_page()
+@replica_report  # may lag the primary by DATABASE_REPLICA_MAX_LAG_S (billing_platform/db.py)
 def report(request: HttpRequest, name: str) -> HttpResponse:
     """One report: filters, chart, table, CSV (``?format=csv``: the table's rows)."""
     page = REPORTS.get(name)

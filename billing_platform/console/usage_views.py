@@ -42,6 +42,7 @@ from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console.templatetags.money import usage_money
 from billing_platform.console.views import org_page
 from billing_platform.csv_export import csv_writer
+from billing_platform.db import replica_report
 from billing_platform.errors import DomainError, InvalidRequest
 from metering import apis as usage_api
 from metering import serializers as usage_serializers
@@ -286,6 +287,7 @@ def _presets(today: date) -> list[tuple[str, str]]:
 
 
 @org_page()
+@replica_report  # may lag the primary by DATABASE_REPLICA_MAX_LAG_S (billing_platform/db.py)
 def usage(request: HttpRequest, access: OrgAccess) -> HttpResponseBase:
     """The explorer: filters, chart, table; ``?format=csv`` streams the table as CSV."""
     context: dict[str, Any] = {"form": _form(request.GET, access)}

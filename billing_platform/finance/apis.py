@@ -30,6 +30,7 @@ from rest_framework.views import APIView
 
 from billing_platform.accounts.models import Organization
 from billing_platform.csv_export import csv_writer
+from billing_platform.db import replica_report
 from billing_platform.finance import reports
 from billing_platform.finance.permissions import FinanceReader
 from plans.choices import CreditGrantKind, ServiceTier
@@ -206,6 +207,7 @@ class FinanceReportView(APIView):
         """Return the type of the rows ``build`` answers (the CSV's columns)."""
         return self.row_type
 
+    @replica_report  # may lag the primary by DATABASE_REPLICA_MAX_LAG_S (billing_platform/db.py)
     def get(self, request: Request) -> HttpResponse:
         query = self.query(data=request.query_params)
         query.is_valid(raise_exception=True)

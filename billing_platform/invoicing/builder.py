@@ -29,9 +29,9 @@ from decimal import Decimal
 from typing import Any, TypeAlias
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Q
 
+from billing_platform.db import reading_connection
 from billing_platform.invoicing.choices import CHARGE_KINDS, LineKind
 from billing_platform.invoicing.models import PendingInvoiceItem
 from billing_platform.invoicing.money import EXACT, ZERO, quantize_money
@@ -311,7 +311,7 @@ def _late_periods(targets: list[Target], lookback: timedelta
     params: list[Any] = [
         lookback, [t.org_id for t in targets], [t.period_start for t in targets],
         [late[t.org_id][0] if t.org_id in late else None for t in targets], lookback]
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_FINALIZED_SQL, params)
         rows = cur.fetchall()
     out = []
@@ -355,7 +355,7 @@ def late_usage_of(targets: list[Target], periods: list[tuple[int, datetime, date
                   u.capacity_source)] = (u.period_end, _with_amount(u))
     if not seen:
         return {}
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_BILLED_SQL, [ids, min(key[1] for key in seen)])
         billed = {tuple(r[:6]): list(r[6:]) for r in cur}
     starts = {t.org_id: t.period_start for t in targets}

@@ -32,9 +32,10 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.backends.utils import CursorWrapper
 
+from billing_platform.db import reading_connection
 from billing_platform.invoicing.builder import late_usage_of
 from billing_platform.invoicing.models import Invoice
 from billing_platform.invoicing.selectors import LastClose, periods_open_and_last_closes
@@ -56,7 +57,8 @@ def _report_cursor() -> Iterator[CursorWrapper]:
     a report across every organization is estimated costly enough for PostgreSQL to compile
     it, and compiling took 1.6 s of the accrued sums' 2.2 s (2,000 orgs in
     bench/finance_reports.py) for a query that runs once."""
-    with transaction.atomic(), connection.cursor() as cur:
+    conn = reading_connection()
+    with transaction.atomic(using=conn.alias), conn.cursor() as cur:
         cur.execute(f"SET LOCAL work_mem = '{REPORT_WORK_MEM}'")
         cur.execute("SET LOCAL jit = off")
         yield cur
@@ -201,7 +203,7 @@ def billed_totals(*, start: datetime, end: datetime, unit: str = "month",
         raise ValueError(f"unit must be one of {sorted(BUCKET_UNITS)}")
     params: dict[str, Any] = {"unit": unit, "start": start, "end": end}
     sql = _TOTALS_SQL.format(where=_where(LineFilter(start, end, currency, org_id), params))
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(sql, params)
         return [(b, c, int(n), total) for b, c, n, total in cur]
 
@@ -470,7 +472,7 @@ def billed_between(*, start: datetime, end: datetime, currency: str | None = Non
     (what DSO divides by)."""
     params: dict[str, Any] = {"start": start, "end": end}
     where = _where(LineFilter(start, end, currency, org_id), params)
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_BILLED_BETWEEN_SQL.format(where=where), params)
         return dict(cur.fetchall())
 
@@ -529,7 +531,7 @@ def receivable_after_payment(*, start: datetime, end: datetime, currency: str | 
     documents' (already rounded to the currency)."""
     params: dict[str, Any] = {"start": start, "end": end}
     where = _where(LineFilter(start, end, currency, org_id), params)
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_AFTER_PAYMENT_SQL.format(where=where), params)
         return [AfterPayment._make(row) for row in cur]
 
@@ -558,7 +560,7 @@ def billed_by_org_month(*, start: datetime, end: datetime, currency: str | None 
     """Return (month, org id, currency, billed) for the billing months starting in the range."""
     params: dict[str, Any] = {"start": start, "end": end}
     where = _where(LineFilter(start, end, currency), params)
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_ORG_MONTHS_SQL.format(where=where), params)
         return list(cur.fetchall())
 
@@ -567,6 +569,6 @@ def first_billed_month(*, org_ids: Sequence[int]) -> dict[tuple[int, str], datet
     """Return, per (org, currency), the first month its billed documents added up to > 0."""
     if not org_ids:
         return {}
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_FIRST_MONTH_SQL, [list(org_ids)])
         return {(org, currency): month for org, currency, month in cur}

@@ -14,13 +14,13 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from django.db import connection
 from django.db.models import BigIntegerField, Func, Max, Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.functional import cached_property
 
 from billing_platform.accounts.choices import OrgStatus
 from billing_platform.accounts.models import Organization
+from billing_platform.db import reading_connection
 from billing_platform.invoicing.builder import (
     CREDITS_AFTER_TAX,
     CREDITS_BEFORE_TAX,
@@ -105,7 +105,7 @@ def last_closes(*, org_ids: Iterable[int]) -> dict[LastClose, list[int]]:
     """Return the organizations (those with a finalized invoice) by their newest finalized
     invoice's close: most share one (a period close run), so a few rows come back, not one
     per organization. One query."""
-    with connection.cursor() as cur:
+    with reading_connection().cursor() as cur:
         cur.execute(_LAST_CLOSES_SQL, [",".join(map(str, org_ids))])
         rows = cur.fetchall()
     at = EpochInstants()
