@@ -74,6 +74,7 @@ class ClusterNode:
              "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
              "--cluster-require-full-coverage", "no", "--appendonly", "yes",
              "--appendfsync", "always", "--save", "", "--daemonize", "no",
+             "--repl-diskless-sync-delay", "0",  # a replica syncs at once, not after 5 s
              "--logfile", str(self.data_dir / "redis.log")],
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -128,6 +129,9 @@ class RedisCluster:
                 master_id = master.client().execute_command("CLUSTER", "MYID")
                 node.client().execute_command("CLUSTER", "REPLICATE", master_id)
             self.wait_ok()
+            _wait(lambda: all(_replication(n).get("master_link_status") == "up"
+                              for n in self.replica_nodes),
+                  timeout=30, what="every replica in sync with its master")
         except BaseException:
             self.stop()
             raise
@@ -180,6 +184,13 @@ def _info(node: ClusterNode) -> dict[str, str]:
     if isinstance(text, bytes):
         text = text.decode()
     return dict(line.split(":", 1) for line in str(text).split() if ":" in line)
+
+
+def _replication(node: ClusterNode) -> dict[str, object]:
+    try:
+        return dict(node.client().info("replication"))
+    except redis.RedisError:
+        return {}
 
 
 def _known(node: ClusterNode) -> list[str]:
