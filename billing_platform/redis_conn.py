@@ -1,9 +1,11 @@
 """One shared Redis connection pool per process, for the platform's own keys (not the cache).
 
 The platform's keys (quota state, the API-key cache, the auth throttle, the usage stream) live
-on ``REDIS_URL``, or on a Redis Cluster when ``REDIS_CLUSTER_URL`` names one of its nodes (the
-clients discover the others). Every key of one organization carries its hash tag (``{o<id>}``),
-so each script touches one slot. The Celery broker and Django's cache stay on ``REDIS_URL``:
+on ``REDIS_URL``, or on a Redis Cluster when ``REDIS_CLUSTER_URL`` names some of its nodes
+(one or more comma-separated node URLs; the clients discover the others from whichever answers,
+so name more than one: a process started while the only named node is down cannot start).
+Every key of one organization carries its hash tag (``{o<id>}``), so each script touches one
+slot. The Celery broker and Django's cache stay on ``REDIS_URL``:
 kombu's Redis transport does not speak Cluster (its queues are lists and a set of bindings
 under fixed names, MULTI/EXEC across them), and the broker's load is small beside the request
 path's.
@@ -29,8 +31,40 @@ from redis.crc import key_slot
 
 
 def cluster_url() -> str:
-    """Return the node URL of the Redis Cluster holding the platform's keys ('' for none)."""
+    """Return the node URLs (comma-separated) of the Redis Cluster holding the platform's keys
+    ('' for none)."""
     return getattr(settings, "REDIS_CLUSTER_URL", "") or ""
+
+
+def cluster_seeds(urls: str) -> tuple[str, list[tuple[str, int]]]:
+    """Split comma-separated cluster node URLs into the first URL (its credentials and options
+    serve every node) and every named node's ``(host, port)``."""
+    parts = [u.strip() for u in urls.split(",") if u.strip()]
+    if not parts:
+        raise ValueError("no Redis Cluster node URL given")
+    seeds = []
+    for part in parts:
+        options = aioredis.connection.parse_url(part)
+        seeds.append((str(options.get("host", "localhost")), int(options.get("port", 6379))))
+    return parts[0], seeds
+
+
+def sync_cluster(urls: str, **options: Any) -> RedisCluster:
+    """Return a ``RedisCluster`` that learns the cluster from any of the named nodes."""
+    from redis.cluster import ClusterNode
+
+    first, seeds = cluster_seeds(urls)
+    return RedisCluster.from_url(first, startup_nodes=[ClusterNode(h, p) for h, p in seeds],
+                                 **options)
+
+
+def async_cluster(urls: str, **options: Any) -> AsyncRedisCluster:
+    """Return an asyncio ``RedisCluster`` that learns the cluster from any of the named nodes."""
+    from redis.asyncio.cluster import ClusterNode
+
+    first, seeds = cluster_seeds(urls)
+    return AsyncRedisCluster.from_url(
+        first, startup_nodes=[ClusterNode(h, p) for h, p in seeds], **options)
 
 
 @functools.cache
@@ -40,7 +74,7 @@ def get_redis() -> redis.Redis:
     With ``REDIS_CLUSTER_URL`` it is a ``RedisCluster``: the same commands, each sent to the
     master of its key's slot (typed as ``redis.Redis``, whose commands it offers)."""
     if cluster_url():
-        return cast(redis.Redis, RedisCluster.from_url(
+        return cast(redis.Redis, sync_cluster(
             cluster_url(), decode_responses=True, socket_timeout=2, socket_connect_timeout=2))
     return redis.Redis.from_url(
         settings.REDIS_URL, decode_responses=True, socket_timeout=2, socket_connect_timeout=2,
@@ -110,7 +144,7 @@ def get_aredis() -> aioredis.Redis:
     client = _async_clients.get(loop)
     if client is None:
         if cluster_url():
-            client = cast(aioredis.Redis, AsyncRedisCluster.from_url(
+            client = cast(aioredis.Redis, async_cluster(
                 cluster_url(), decode_responses=True, socket_timeout=2,
                 socket_connect_timeout=2))
         else:
@@ -330,9 +364,9 @@ class ClusterPipelinedConnection:
     """
 
     def __init__(self, url: str, *, timeout: float = 2.0, connect_timeout: float = 2.0) -> None:
-        self.url, self.timeout, self.connect_timeout = url, timeout, connect_timeout
-        seed = aioredis.connection.parse_url(url)
-        self.seeds: list[Address] = [(seed.get("host", "localhost"), seed.get("port", 6379))]
+        self.url, seeds = cluster_seeds(url)  # the first URL's options serve every node
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.seeds: list[Address] = seeds
         self.slots: list[Address] | None = None
         self.nodes: dict[Address, PipelinedConnection] = {}
         self.refreshing: asyncio.Future[list[Address]] | None = None

@@ -47,7 +47,7 @@ from redis.commands.core import AsyncScript, Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
-from billing_platform.redis_conn import ClusterPipelinedConnection
+from billing_platform.redis_conn import ClusterPipelinedConnection, sync_cluster
 from metering import conf
 
 FIELD = b"e"
@@ -103,8 +103,7 @@ def client(*, socket_timeout: float = 2.0) -> redis.Redis:
                                        "socket_connect_timeout": 1.0,
                                        "retry": Retry(NoBackoff(), 1)}
             _sync_clients[key] = (
-                cast(redis.Redis, RedisCluster.from_url(url, require_full_coverage=False,
-                                                        **options))
+                cast(redis.Redis, sync_cluster(url, require_full_coverage=False, **options))
                 if _cluster() else
                 redis.Redis.from_url(url, health_check_interval=0, **options))
         return _sync_clients[key]

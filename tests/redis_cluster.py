@@ -92,7 +92,7 @@ class ClusterNode:
 
 @dataclass
 class RedisCluster:
-    """Three masters (and ``replicas`` replicas each) on loopback; ``url`` names one master."""
+    """Three masters (and ``replicas`` replicas each) on loopback; ``url`` names the masters."""
 
     root: Path
     replicas: int = 0
@@ -103,7 +103,9 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.masters[0].port}/0"
+        """``REDIS_CLUSTER_URL`` for it: every master's URL, comma-separated (the first one's
+        options serve all)."""
+        return ",".join(f"redis://127.0.0.1:{node.port}/0" for node in self.masters)
 
     @property
     def nodes(self) -> list[ClusterNode]:

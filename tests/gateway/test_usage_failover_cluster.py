@@ -5,7 +5,8 @@ a crash, before its replica had it, would be gone. With ``TOLLGATE_USAGE_WAIT_RE
 append counts only once a replica has it (``WAIT`` on the master's connection); an append the
 replica did not acknowledge in time is written to PostgreSQL directly. The test stalls the
 replica (SIGSTOP) while requests arrive, kills the master (SIGKILL), lets the replica take over
-and only then starts the ingest consumer: every answered request is recorded exactly once.
+and only then starts the ingest consumer (``REDIS_CLUSTER_URL`` names every master, the dead
+one first): every answered request is recorded exactly once.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def metering_stream(settings, tmp_path, cluster) -> Iterator[dict[str, str]]:
     from metering import stream
 
     env = on_cluster(settings, cluster, tmp_path)
-    # a stream whose master is not the node the URL names: the killed master must not be the
-    # one processes started later (the consumer) learn the cluster from
+    # a stream on the master REDIS_CLUSTER_URL names first: the consumer, started after it
+    # died, learns the cluster from the other nodes the URL names
     key = f"tg:usage:failover:{uuid.uuid4().hex[:8]}"
-    while master_of(cluster, key) is cluster.masters[0]:
+    while master_of(cluster, key) is not cluster.masters[0]:
         key = f"tg:usage:failover:{uuid.uuid4().hex[:8]}"
     settings.METERING_STREAM_KEY = env["TOLLGATE_USAGE_STREAM"] = key
     yield {**env, "TOLLGATE_USAGE_WAIT_REPLICAS": "1", "TOLLGATE_USAGE_WAIT_REPLICAS_MS": "300"}
