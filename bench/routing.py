@@ -12,10 +12,10 @@ Prints one JSON line per fleet:
 engine's own request counter); mean_queue_ms from the engines' queue-time histograms.
 ``max_possible_hit_rate`` is the workload's bound: per request, the longest prefix it shares
 with an earlier request of the same tenant, over all prompt text. ``cache_aware_xN`` sends the
-workload round-robin through N routers (N gateway processes: each its own prefix indexes and
-in-flight counts, loads shared through Redis as the gateway shares them), with
-``hit_rate_vs_one_process`` its hit rate over one router's (``--processes``, default 4;
-``--redis-url``, default ``REDIS_URL``).
+workload round-robin through N router processes (as N gateway processes: each its own OS
+process and event loop, prefix indexes and in-flight counts, loads and placements shared
+through Redis as the gateway shares them), with ``hit_rate_vs_one_process`` its hit rate over
+one router's (``--processes``, default 4; ``--redis-url``, default ``REDIS_URL``).
 
     .venv/bin/python bench/routing.py --fleet sim            # 8 simulated engines, ~1 min
     .venv/bin/python bench/routing.py --fleet sglang         # 2 real SGLang CPU engines
@@ -158,39 +158,107 @@ def flush(urls: list[str]) -> None:
         httpx.post(f"{url}/flush_cache", timeout=30)
 
 
-async def run_policy(policy: str, engines: list[EngineInfo], convs, *, concurrency: int,
-                     max_tokens: int, bound: float, processes: int = 1,
-                     redis_url: str | None = None) -> tuple[int, int]:
-    """Send the workload through ``processes`` routers, as that many gateway processes behind
-    a round-robin load balancer would: each its own router, prefix indexes and in-flight
-    counts, the loads shared through Redis by ``engine_adapter.load_share`` (as the gateway
-    does) when ``redis_url`` is given."""
-    routers = [Router(engines, policy=policy, bound=bound) for _ in range(processes)]
-    clients = [EngineClient(r, first_byte_timeout=600) for r in routers]
-    key = f"tg:router:bench:{uuid.uuid4().hex[:8]}"
-    shares = [LoadShare(r, redis_url, key=key) for r in routers] if redis_url else []
-    turn = itertools.count()
+class RouterProcess:
+    """One router in a process of its own, as one gateway process routes: its ``Router``,
+    ``EngineClient`` and, with a Redis URL, ``LoadShare`` (``--serve-router``)."""
 
-    async def send(tenant, messages):
-        i = next(turn) % processes  # each request to the next process, whatever its tenant
-        if shares:
-            shares[i].note_activity()
-        async with clients[i].call(model=engines[0].model, path="/v1/chat/completions",
-                                   body={"messages": messages, "max_tokens": max_tokens,
-                                         "temperature": 0},
-                                   namespace=tenant, prompt_text=render(messages)) as call:
+    def __init__(self, engines: list[EngineInfo], *, policy: str, bound: float,
+                 redis_url: str | None, key: str) -> None:
+        self.router = Router(engines, policy=policy, bound=bound)
+        self.client = EngineClient(self.router, first_byte_timeout=600)
+        self.share = LoadShare(self.router, redis_url, key=key) if redis_url else None
+        self.model = engines[0].model
+
+    async def send(self, tenant: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+        if self.share:
+            self.share.note_activity()
+        async with self.client.call(model=self.model, path="/v1/chat/completions",
+                                    body={"messages": messages, "max_tokens": max_tokens,
+                                          "temperature": 0},
+                                    namespace=tenant, prompt_text=render(messages)) as call:
             pass
         r = call.result
         return {"prompt_tokens": r.prompt_tokens,
                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
+
+async def run_policy(policy: str, engines: list[EngineInfo], convs, *, concurrency: int,
+                     max_tokens: int, bound: float) -> tuple[int, int]:
+    """Send the workload through one router in this process."""
+    one = RouterProcess(engines, policy=policy, bound=bound, redis_url=None, key="")
     try:
-        return await run_conversations(convs, send, concurrency)
+        return await run_conversations(
+            convs, lambda tenant, messages: one.send(tenant, messages, max_tokens), concurrency)
     finally:
-        for client in clients:
-            await client.aclose()
-        if shares:
-            await shares[0]._client().delete(key)
+        await one.client.aclose()
+
+
+def serve_router(spec: dict) -> None:
+    """``--serve-router``: route JSON lines ``{"tenant", "messages", "max_tokens"}`` from
+    every connection, one at a time per connection, answering each with its usage."""
+    engines = [EngineInfo(**e) for e in spec["engines"]]
+    one = RouterProcess(engines, policy="cache_aware", bound=spec["bound"],
+                        redis_url=spec["redis_url"], key=spec["key"])
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            ask = json.loads(line)
+            usage = await one.send(ask["tenant"], ask["messages"], ask["max_tokens"])
+            writer.write(json.dumps(usage).encode() + b"\n")
+            await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=2**24)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+async def run_processes(engines: list[EngineInfo], convs, *, processes: int, concurrency: int,
+                        max_tokens: int, bound: float, redis_url: str) -> tuple[int, int]:
+    """Send the workload round-robin through ``processes`` router processes, as a load
+    balancer spreads requests over that many gateway processes, whatever their tenant."""
+    key = f"tg:router:bench:{uuid.uuid4().hex[:8]}"
+    fields = ("engine_id", "pool", "model", "region", "url", "max_total_tokens")
+    spec = json.dumps({"engines": [{f: getattr(e, f) for f in fields} for e in engines],
+                       "bound": bound,
+                       "redis_url": redis_url, "key": key})
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve-router", spec],
+                              stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    try:
+        ports = [int(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        turn = itertools.count()
+        links: dict[tuple[int, int], tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+        async def send(tenant, messages):
+            i = next(turn) % processes
+            # one connection per (caller, process): a caller's requests go one at a time
+            task = id(asyncio.current_task())
+            if (task, i) not in links:
+                links[task, i] = await asyncio.open_connection("127.0.0.1", ports[i],
+                                                               limit=2**24)
+            reader, writer = links[task, i]
+            writer.write(json.dumps({"tenant": tenant, "messages": messages,
+                                     "max_tokens": max_tokens}).encode() + b"\n")
+            await writer.drain()
+            return json.loads(await reader.readline())
+
+        try:
+            return await run_conversations(convs, send, concurrency)
+        finally:
+            for _reader, writer in links.values():
+                writer.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        import redis
+
+        redis.Redis.from_url(redis_url).delete(key, f"{key}:routes")
 
 
 async def run_sglang_router(urls: list[str], model: str, convs, *, concurrency: int,
@@ -255,10 +323,10 @@ async def bench_fleet(name: str, urls: list[str], model: str, convs, args) -> di
             if totals is None:
                 continue
         elif policy.startswith("cache_aware_x"):
-            totals = await run_policy("cache_aware", engines, convs,
-                                      concurrency=args.concurrency, max_tokens=args.max_tokens,
-                                      bound=args.bound, processes=int(policy.rsplit("x", 1)[1]),
-                                      redis_url=args.redis_url)
+            totals = await run_processes(engines, convs, processes=int(policy.rsplit("x", 1)[1]),
+                                         concurrency=args.concurrency,
+                                         max_tokens=args.max_tokens, bound=args.bound,
+                                         redis_url=args.redis_url)
         else:
             totals = await run_policy(policy, engines, convs, concurrency=args.concurrency,
                                       max_tokens=args.max_tokens, bound=args.bound)
@@ -274,6 +342,9 @@ async def bench_fleet(name: str, urls: list[str], model: str, convs, args) -> di
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--serve-router"]:  # one router process of cache_aware_xN
+        serve_router(json.loads(sys.argv[2]))
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fleet", choices=["sim", "sglang", "both"], default="sim")
     p.add_argument("--engines", type=int, default=8, help="simulated engines")
