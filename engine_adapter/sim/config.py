@@ -96,13 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sim-embedding-dim", type=int, default=64,
                         help="the length of an embedding (the model's hidden size)")
     # SGLang flags that the launch line carries and that change nothing in the simulator: the
-    # cache report, metrics and priority scheduling are always on here.
-    for flag in ("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling"):
+    # cache report, metrics and priority scheduling are always on here; its constrained JSON
+    # has no free whitespace and its forced tool calls are parsed whatever the parser.
+    for flag in ("--enable-cache-report", "--enable-metrics", "--enable-priority-scheduling",
+                 "--constrained-json-disable-any-whitespace"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--json-model-override-args", default="{}",
                         help="as SGLang's; the simulator reads is_matryoshka from it")
     for flag in ("--tp-size", "--tp", "--dp-size", "--mem-fraction-static", "--device",
-                 "--reasoning-parser"):
+                 "--reasoning-parser", "--tool-call-parser"):
         parser.add_argument(flag, default=None)
     return parser
 

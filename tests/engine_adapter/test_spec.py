@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_adapter.conf import REPO_ROOT
+from engine_adapter.sim.config import parse_args
 from engine_adapter.spec import SpecError, load_spec
 
 POOL = """
@@ -31,6 +32,16 @@ def test_the_shipped_specs_offer_an_embedding_model(name):
     embedding = [p for p in spec.pools if p.is_embedding]
     assert [p.model for p in embedding] == ["tollgate/tiny-embed"]
     assert not any(p.is_embedding for p in spec.pools if p.model != "tollgate/tiny-embed")
+
+
+@pytest.mark.parametrize("name", ["dev.toml", "sim.toml"])
+def test_every_shipped_pool_starts_as_a_simulated_engine(name):
+    # ./tollgate up --sim-only launches the real-SGLang pools as simulators with the same
+    # extra_args: the simulator must take every SGLang flag a shipped pool carries (it did
+    # not take dev.toml's tool-call parser, and `up --sim-only` failed at start-up)
+    for pool in load_spec(REPO_ROOT / "engine_adapter" / "fleets" / name).pools:
+        config = parse_args(["--served-model-name", pool.model, *pool.extra_args])
+        assert config.served_model_name == pool.model, pool.name
 
 
 def test_a_model_served_both_ways_is_refused(tmp_path):
