@@ -63,8 +63,15 @@ def async_cluster(urls: str, **options: Any) -> AsyncRedisCluster:
     from redis.asyncio.cluster import ClusterNode
 
     first, seeds = cluster_seeds(urls)
-    return AsyncRedisCluster.from_url(
+    client = AsyncRedisCluster.from_url(
         first, startup_nodes=[ClusterNode(h, p) for h, p in seeds], **options)
+    # redis-py makes every node, those it discovers too, from these options, with a plain
+    # Connection whatever it is given: give them the platform's connection class
+    made = client.nodes_manager.connection_kwargs
+    made["connection_class"] = _PACKING.get(made["connection_class"], made["connection_class"])
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = made["connection_class"]
+    return client
 
 
 @functools.cache
@@ -111,15 +118,43 @@ class _HiredisPacking:
         return super().pack_command(*args)
 
 
-class _TcpConnection(_HiredisPacking, aioredis.Connection):
+class _ClosedIsConnectionError:
+    """Mixin for redis-py's asyncio connections: writing to a connection being closed is a
+    ``ConnectionError``, which the clients retry on a fresh connection.
+
+    redis-py's cluster client closes a node's idle connections after any error on that node
+    but leaves them in its free list while they close; a command that takes one then writes to
+    a closed transport. asyncio's own loop drops that write (the read then fails with a
+    ``ConnectionError``), uvloop's (the gateway's) raises a bare ``RuntimeError`` ("the handler
+    is closed"), and once the close has finished the write meets no writer (``AttributeError``):
+    errors no client retries, a 500 for a request that came in that moment. Nothing was sent in
+    either case, so the retry sends the command once.
+    """
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except (RuntimeError, AttributeError) as e:
+            # nothing was written: the transport was closed (uvloop's RuntimeError) or the
+            # close finished and took the writer (None) while this command waited to write
+            closed = ("closed" in str(e) if isinstance(e, RuntimeError)
+                      else getattr(e, "obj", True) is None)
+            if not closed:
+                raise
+            raise redis.exceptions.ConnectionError(
+                f"Redis connection closed while sending: {e}") from e
+
+
+class _TcpConnection(_ClosedIsConnectionError, _HiredisPacking, aioredis.Connection):
     pass
 
 
-class _SslConnection(_HiredisPacking, aioredis.SSLConnection):
+class _SslConnection(_ClosedIsConnectionError, _HiredisPacking, aioredis.SSLConnection):
     pass
 
 
-class _UnixConnection(_HiredisPacking, aioredis.UnixDomainSocketConnection):
+class _UnixConnection(_ClosedIsConnectionError, _HiredisPacking,
+                      aioredis.UnixDomainSocketConnection):
     pass
 
 

@@ -82,3 +82,36 @@ def test_a_restarted_master_a_migrating_slot_and_a_moved_slot_are_followed(clust
 
     assert asyncio.run(run()) == ["v", "v", "v", "v"]
     assert _owner(cluster, key) is target
+
+
+def test_a_command_taking_a_connection_being_closed_is_retried_not_an_error(cluster, settings):
+    """redis-py's cluster client closes a node's idle connections after any error on that node
+    and leaves them in the free list while they close; a command that takes one in that
+    moment wrote to a closed transport, which under uvloop (the gateway's loop) raised a bare
+    RuntimeError that was no retryable error: a 500 for a request that happened to come then
+    (CI, test_usage_cluster). It must be retried on a fresh connection."""
+    import uvloop
+
+    from billing_platform import redis_conn
+
+    settings.REDIS_CLUSTER_URL = cluster.url
+    redis_conn.reset_clients()
+
+    async def run() -> list[str]:
+        client = redis_conn.get_aredis()
+        got = []
+        for yields in range(8):  # the close is awaited in steps: meet each of them
+            await client.set("closing", yields)
+            node = client.get_node_from_key("closing")
+            closing = asyncio.ensure_future(node.disconnect_free_connections())
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            got.append(await client.get("closing"))
+            await closing
+        await client.aclose()
+        return got
+
+    try:
+        assert uvloop.run(run()) == [str(i) for i in range(8)]
+    finally:
+        redis_conn.reset_clients()
