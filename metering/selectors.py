@@ -21,7 +21,7 @@ from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.functions import TruncDay, TruncHour
 
 from billing_platform.accounts.choices import DataZone
-from billing_platform.db import reading_connection
+from billing_platform.db import reading_connection, reading_db
 from metering.events import WIRE_VERSION
 from metering.models import (
     UsageCostInterval,
@@ -403,6 +403,60 @@ def usage_events_outside_regions(*, zone_regions: Mapping[str, set[str]], limit:
         out += [{**r, "data_zone": zone, "event_time": r["event_time"].isoformat()}
                 for r in rows]
     return out
+
+
+class RegionZoneCount(NamedTuple):
+    """An organization's events in one region under one recorded data zone: how many, and
+    their input (prompt, cached included) and output tokens. ``region`` "" is no engine."""
+
+    region: str
+    data_zone: str
+    events: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def usage_residency_counts(*, org_id: int, start: datetime, end: datetime
+                           ) -> list[RegionZoneCount]:
+    """Return an organization's events in [start, end) per region and recorded zone.
+
+    From ``usage_event`` itself (the zone is stored on each event at record time; the rollups
+    keep no zone), through its (organization, event_time) index; ordered by region, zone.
+    """
+    rows = (UsageEvent.objects.filter(organization_id=org_id, event_time__gte=start,
+                                      event_time__lt=end)
+            .values("region", "data_zone")
+            .annotate(n=Count("id"), p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
+            .order_by("region", "data_zone"))
+    return [RegionZoneCount(r["region"], r["data_zone"], r["n"], r["p"] or 0, r["c"] or 0)
+            for r in rows]
+
+
+def usage_residency_outside(*, org_id: int, start: datetime, end: datetime,
+                            zone_regions: Mapping[str, set[str]]
+                            ) -> Iterator[Mapping[str, Any]]:
+    """Return an organization's events in [start, end) that ran outside the zone recorded on
+    them, in time order (request_id, event_time, region, data_zone), read in chunks.
+
+    An event is inside when it reached no engine (region ""), when its zone is ``global``, or
+    when its region is among ``zone_regions[its zone]``; a zone missing from the mapping has no
+    regions (fail closed). The read is bound to the reading database now, so a caller may
+    stream it after the view's ``replica_report`` block has ended.
+    """
+    inside = Q(region="") | Q(data_zone=DataZone.GLOBAL)
+    for zone, regions in zone_regions.items():
+        if regions:
+            inside |= Q(data_zone=zone, region__in=sorted(regions))
+    return (UsageEvent.objects.using(reading_db())
+            .filter(organization_id=org_id, event_time__gte=start, event_time__lt=end)
+            .exclude(inside)
+            .order_by("event_time", "request_id")
+            .values("request_id", "event_time", "region", "data_zone")
+            .iterator(chunk_size=2000))
 
 
 # --- Dead letters (staff: list, then retry through ``metering.services``) --------------------
