@@ -69,6 +69,20 @@ class CreditGrantKind(models.TextChoices):
     CREDIT_NOTE = "credit_note", "Credit note"
 
 
+class WebhookEvent(models.TextChoices):
+    """The event types an organization's webhook endpoints receive."""
+
+    BUDGET_THRESHOLD_REACHED = "budget.threshold_reached", "A budget alert threshold was reached"
+    TEST = "webhook.test", "A test event sent from the console"
+
+
+class WebhookDeliveryStatus(models.TextChoices):
+    PENDING = "pending", "Pending"  # not yet answered 2xx; attempts continue (with backoff)
+    DELIVERED = "delivered", "Delivered"
+    FAILED = "failed", "Failed"  # every attempt failed; the console can send it again
+    REFUSED = "refused", "Refused"  # the URL leads to a non-public address: never sent
+
+
 DEFAULT_TIER_MULTIPLIERS: dict[str, Decimal] = {
     ServiceTier.DEFAULT: Decimal("1.0"),
     ServiceTier.PRIORITY: Decimal("2.0"),

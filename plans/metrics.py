@@ -27,6 +27,11 @@ BUDGET_WEBHOOKS = Counter(
     "Budget-alert webhook delivery attempts, by outcome: delivered (2xx), failed (another "
     "status, a redirect, or no answer: retried), refused (the URL leads to a non-public "
     "address: not retried); abandoned counts alerts whose last retry failed too.", ["outcome"])
+WEBHOOK_DELIVERIES = Counter(
+    "tollgate_webhook_deliveries_total",
+    "Attempts to post an event to an organization's webhook endpoints, by outcome: delivered, "
+    "failed (retried), refused (non-public address); abandoned counts deliveries whose last "
+    "retry failed too.", ["outcome"])
 WEBHOOK_OUTCOMES = ("delivered", "failed", "refused", "abandoned")
 
 
@@ -35,6 +40,7 @@ for _outcome in ("admitted", "rejected", "error"):
     ADMISSION_SECONDS.labels(_outcome)
 for _outcome in WEBHOOK_OUTCOMES:
     BUDGET_WEBHOOKS.labels(_outcome)
+    WEBHOOK_DELIVERIES.labels(_outcome)
 
 
 def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
@@ -62,3 +68,10 @@ def budget_webhook_counted(outcome: str) -> None:
     if outcome not in WEBHOOK_OUTCOMES:
         raise ValueError(f"unknown webhook outcome {outcome!r}")
     BUDGET_WEBHOOKS.labels(outcome).inc()
+
+
+def webhook_delivery_counted(outcome: str) -> None:
+    """Count one attempt to an organization's endpoint (or an abandoned delivery)."""
+    if outcome not in WEBHOOK_OUTCOMES:
+        raise ValueError(f"unknown webhook outcome {outcome!r}")
+    WEBHOOK_DELIVERIES.labels(outcome).inc()

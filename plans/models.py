@@ -43,6 +43,8 @@ from plans.choices import (
     PlanKind,
     ReservationTerm,
     TokenClass,
+    WebhookDeliveryStatus,
+    WebhookEvent,
 )
 
 _price_field = decimal_field_maker(max_digits=24, decimal_places=10)
@@ -730,3 +732,76 @@ class BudgetAlert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.threshold}% of {self.budget_id} at {self.period_start:%Y-%m}"
+
+
+class WebhookEndpoint(models.Model):
+    """An organization's webhook endpoint: each of its events (``WebhookEvent``) is posted to
+    it, signed with ``secret`` (``plans.webhooks`` documents the scheme). The secret is shown
+    once, when the endpoint is made; the platform keeps it, as it must to sign. A disabled
+    endpoint keeps its delivery log and receives nothing."""
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="webhook_endpoints")
+    url = models.URLField(max_length=2000)
+    description = models.CharField(max_length=200, blank=True)
+    secret = models.CharField(max_length=80, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    disabled_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"webhook endpoint {self.url}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.public_id:
+            self.public_id = public_id("we")
+        super().save(*args, **kwargs)
+
+
+class WebhookDelivery(models.Model):
+    """One event for one endpoint: posted until it is answered 2xx, at most once after that
+    (the unique constraint, and the row locked for each attempt). ``payload`` is the exact body
+    sent on every attempt; ``event_id`` goes in ``Tollgate-Webhook-Id`` for receivers to
+    deduplicate on."""
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE,
+                                 related_name="deliveries")
+    event_type = models.CharField(max_length=64, choices=WebhookEvent.choices)
+    event_id = models.CharField(max_length=64)
+    payload = models.TextField()
+    status = models.CharField(max_length=16, choices=WebhookDeliveryStatus.choices,
+                              default=WebhookDeliveryStatus.PENDING)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    last_status = models.CharField(max_length=40, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["endpoint", "event_id"],
+                                    name="one_delivery_per_endpoint_event"),
+        ]
+        indexes = [models.Index(fields=["endpoint", "-created_at"],
+                                name="webhook_delivery_log")]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} {self.event_id} -> {self.endpoint_id}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.public_id:
+            self.public_id = public_id("wd")
+        super().save(*args, **kwargs)
+
+
+class WebhookAttempt(models.Model):
+    """One POST of a delivery: when, what the endpoint answered, how long it took."""
+
+    delivery = models.ForeignKey(WebhookDelivery, on_delete=models.CASCADE,
+                                 related_name="attempt_log")
+    at = models.DateTimeField(default=timezone.now)
+    status = models.CharField(max_length=40)
+    duration_ms = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.status} at {self.at:%Y-%m-%d %H:%M:%S}"

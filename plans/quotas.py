@@ -36,7 +36,7 @@ from plans import admission
 from plans.admission import scripts
 from plans.models import Budget, BudgetAlert, EndUserBudget
 from plans.periods import month_bounds
-from plans.webhooks import budget_alert_webhook_enqueue, webhook_url_check
+from plans.webhooks import budget_alert_emit, budget_alert_webhook_enqueue, webhook_url_check
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ def budget_reconcile(*, budget: Budget, at: datetime | None = None) -> dict[str,
                        details={"threshold": threshold, "spend": str(state.live_spend)})
                 if budget.webhook_url:
                     budget_alert_webhook_enqueue(alert=alert)  # sent once this commits
+                budget_alert_emit(alert=alert)  # and to the organization's endpoints
         except IntegrityError:
             continue  # already fired this period
         _email_alert(alert, state)

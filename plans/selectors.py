@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Context, Decimal, localcontext
+from decimal import ROUND_HALF_EVEN, Context, Decimal, localcontext
 from typing import Any, NamedTuple
 
 from django.db.models import Min, Q, QuerySet, Sum
@@ -14,6 +14,7 @@ from django.utils import timezone
 from billing_platform.accounts.models import Organization
 from billing_platform.db import reading_connection
 from engine_adapter.selectors import zone_regions
+from metering.provisioned_usage import provisioned_usage_by_hour
 from metering.selectors import usage_events_outside_regions
 from plans.choices import PlanKind, ReservationTerm
 from plans.models import (
@@ -176,6 +177,116 @@ def reservation_fee_for_period(*, reservation: Reservation, period_start: dateti
 
 
 _MICROSECOND = timedelta(microseconds=1)
+
+
+# --- reservation utilization --------------------------------------------------------------
+
+HOUR = timedelta(hours=1)
+_MINUTE_US = 60_000_000
+
+
+def _percent(part: int, whole: int) -> Decimal | None:
+    """Return part / whole in percent to one place (half-even), None when whole is 0."""
+    if whole <= 0:
+        return None
+    return (Decimal(part) * 100 / Decimal(whole)).quantize(Decimal("0.1"), ROUND_HALF_EVEN)
+
+
+@dataclass(frozen=True)
+class UtilizationHour:
+    """One UTC hour of a reservation, in normalized tokens.
+
+    ``reserved`` is what the reservation could serve in the hour: its tokens per minute x the
+    minutes of the hour inside its term (rounded down); ``peak_minute_used`` is the busiest
+    minute's use, to set against ``reserved_per_minute``; ``spillover`` ran on-demand (billed)
+    because the reservation was full.
+    """
+
+    hour: datetime
+    reserved_per_minute: int
+    reserved: int
+    used: int
+    peak_minute_used: int
+    spillover: int
+
+    @property
+    def used_percent(self) -> Decimal | None:
+        return _percent(self.used, self.reserved)
+
+    @property
+    def peak_percent(self) -> Decimal | None:
+        return _percent(self.peak_minute_used, self.reserved_per_minute)
+
+    @property
+    def spillover_share(self) -> Decimal | None:
+        """Percent of the hour's provisioned-model tokens that spilled over."""
+        return _percent(self.spillover, self.used + self.spillover)
+
+
+@dataclass(frozen=True)
+class ReservationUtilization:
+    """A reservation's hours in [start, end) that its term reaches, and their totals."""
+
+    reservation: Reservation
+    start: datetime
+    end: datetime
+    hours: list[UtilizationHour]
+
+    @property
+    def reserved(self) -> int:
+        return sum(h.reserved for h in self.hours)
+
+    @property
+    def used(self) -> int:
+        return sum(h.used for h in self.hours)
+
+    @property
+    def spillover(self) -> int:
+        return sum(h.spillover for h in self.hours)
+
+    @property
+    def peak_minute_used(self) -> int:
+        return max((h.peak_minute_used for h in self.hours), default=0)
+
+    @property
+    def used_percent(self) -> Decimal | None:
+        return _percent(self.used, self.reserved)
+
+    @property
+    def spillover_share(self) -> Decimal | None:
+        return _percent(self.spillover, self.used + self.spillover)
+
+
+def reservation_utilization(*, reservation: Reservation, start: datetime, end: datetime
+                            ) -> ReservationUtilization:
+    """Return the reservation's use per hour over [start, end) (hour-aligned, UTC).
+
+    Usage is the organization's provisioned and spillover events of the reservation's model and
+    region (events name no reservation; two reservations of one model and region in force at
+    once are both shown the pool's usage). One query.
+    """
+    first = max(start, reservation.starts_at.replace(minute=0, second=0, microsecond=0))
+    last = min(end, reservation.ends_at)
+    if first >= last:
+        return ReservationUtilization(reservation=reservation, start=start, end=end, hours=[])
+    usage = {row.hour: row for row in provisioned_usage_by_hour(
+        org_id=reservation.organization_id, model=reservation.model,
+        region=reservation.region, start=first, end=last,
+        cache_burndown=reservation.cache_burndown,
+        output_burndown=reservation.output_burndown)}
+    tpm = reservation.tokens_per_minute
+    hours: list[UtilizationHour] = []
+    hour = first
+    while hour < last:
+        inside = (min(hour + HOUR, reservation.ends_at) - max(hour, reservation.starts_at))
+        row = usage.get(hour)
+        hours.append(UtilizationHour(
+            hour=hour, reserved_per_minute=tpm,
+            reserved=tpm * (inside // _MICROSECOND) // _MINUTE_US,
+            used=row.used if row else 0, peak_minute_used=row.peak_minute_used if row else 0,
+            spillover=row.spillover if row else 0))
+        hour += HOUR
+    return ReservationUtilization(reservation=reservation, start=start, end=end, hours=hours)
 
 
 def subscription_months_in_period(*, subscription: Subscription, period_start: datetime,

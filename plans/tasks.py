@@ -46,3 +46,13 @@ def budget_alert_webhook(self: Task[[int], str], alert_id: int) -> str:
     """Post one budget alert's webhook (at most once: ``budget_alert_webhook_deliver``)."""
     return webhooks.budget_alert_webhook_deliver(
         alert_id=alert_id, last_attempt=self.request.retries >= (self.max_retries or 0))
+
+
+@shared_task(name="plans.webhook_delivery", bind=True,
+             autoretry_for=(webhooks.WebhookNotDelivered,),
+             retry_backoff=env.BUDGET_WEBHOOK_BACKOFF_S, retry_backoff_max=3600,
+             retry_jitter=True, max_retries=env.BUDGET_WEBHOOK_MAX_RETRIES)
+def webhook_delivery(self: Task[[int], str], delivery_id: int) -> str:
+    """Post one delivery to an organization's endpoint (logged per attempt, at most once)."""
+    return webhooks.webhook_delivery_attempt(
+        delivery_id=delivery_id, last_attempt=self.request.retries >= (self.max_retries or 0))

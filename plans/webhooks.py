@@ -43,9 +43,11 @@ import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -53,9 +55,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from billing_platform.accounts.models import Organization
+from billing_platform.audit.services import audit_record
 from billing_platform.errors import InvalidRequest
-from plans.metrics import budget_webhook_counted
-from plans.models import BudgetAlert
+from plans.choices import WebhookDeliveryStatus, WebhookEvent
+from plans.metrics import budget_webhook_counted, webhook_delivery_counted
+from plans.models import BudgetAlert, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -188,17 +193,20 @@ def webhook_destination(*, url: str) -> Destination:
 
 # --- delivery ------------------------------------------------------------------------------
 
+def _alert_data(alert: BudgetAlert) -> dict[str, Any]:
+    budget = alert.budget
+    return {"type": "budget.threshold_reached", "budget": budget.public_id,
+            "organization": budget.organization.public_id,
+            "project": budget.project.public_id if budget.project is not None else None,
+            "threshold": alert.threshold, "spend": str(alert.spend),
+            "amount": str(budget.amount), "currency": budget.currency,
+            "period_start": alert.period_start.isoformat(), "hard": budget.hard,
+            "alert_id": alert.id}
+
+
 def webhook_payload(*, alert: BudgetAlert) -> bytes:
     """Return the JSON body of one alert's webhook (the customer-facing contract)."""
-    budget = alert.budget
-    payload = {"type": "budget.threshold_reached", "budget": budget.public_id,
-               "organization": budget.organization.public_id,
-               "project": budget.project.public_id if budget.project is not None else None,
-               "threshold": alert.threshold, "spend": str(alert.spend),
-               "amount": str(budget.amount), "currency": budget.currency,
-               "period_start": alert.period_start.isoformat(), "hard": budget.hard,
-               "alert_id": alert.id}
-    return json.dumps(payload, separators=(",", ":")).encode()
+    return json.dumps(_alert_data(alert), separators=(",", ":")).encode()
 
 
 def webhook_id(*, alert: BudgetAlert) -> str:
@@ -206,14 +214,13 @@ def webhook_id(*, alert: BudgetAlert) -> str:
     return f"balert_{alert.id}"
 
 
-def _post(alert: BudgetAlert) -> str:
-    """Make one attempt; return the answer's status code, or raise."""
-    budget = alert.budget
-    destination = webhook_destination(url=budget.webhook_url)
-    body = webhook_payload(alert=alert)
+def _send(*, url: str, secret: str, body: bytes, delivery_id: str) -> str:
+    """Make one signed POST of ``body`` to ``url``; return the answer's status code, or raise
+    ``WebhookNotDelivered`` (retried) or ``WebhookAddressRefused`` (not)."""
+    destination = webhook_destination(url=url)
     headers = {"Host": destination.host_header, "Content-Type": "application/json",
-               "User-Agent": "Tollgate-Webhooks/1", "Tollgate-Webhook-Id": webhook_id(alert=alert),
-               "Tollgate-Signature": sign_webhook(secret=budget.webhook_secret, body=body)}
+               "User-Agent": "Tollgate-Webhooks/1", "Tollgate-Webhook-Id": delivery_id,
+               "Tollgate-Signature": sign_webhook(secret=secret, body=body)}
     extensions = {"sni_hostname": destination.sni_hostname} if destination.sni_hostname else {}
     # trust_env=False: no proxy from the environment, so the checked address is the one reached
     with httpx.Client(timeout=TIMEOUT_S, follow_redirects=False, trust_env=False) as client:
@@ -228,6 +235,13 @@ def _post(alert: BudgetAlert) -> str:
     if not status.startswith("2"):
         raise WebhookNotDelivered(status)
     return status
+
+
+def _post(alert: BudgetAlert) -> str:
+    """Make one attempt of a budget's own webhook; return the answer's status code, or raise."""
+    budget = alert.budget
+    return _send(url=budget.webhook_url, secret=budget.webhook_secret,
+                 body=webhook_payload(alert=alert), delivery_id=webhook_id(alert=alert))
 
 
 def budget_alert_webhook_deliver(*, alert_id: int, last_attempt: bool = False) -> str:
@@ -279,3 +293,168 @@ def budget_alert_webhook_enqueue(*, alert: BudgetAlert) -> None:
 
     alert_id = alert.id
     transaction.on_commit(lambda: budget_alert_webhook.delay(alert_id))
+
+
+# --- the organization's endpoints ------------------------------------------------------------
+#
+# Besides a budget's own webhook URL, an organization registers endpoints that receive every
+# event of the organization (a budget alert of any of its budgets, a test event), each delivery
+# logged with its attempts. Same signature, same address guard, same retries as above.
+
+MAX_ENDPOINTS = 10  # per organization: each event is posted to every one of them
+DELIVERY_LOG = 50  # deliveries the console shows
+
+
+def webhook_endpoint_create(*, organization: Organization, url: str, description: str = "",
+                            acting_user: Any) -> tuple[WebhookEndpoint, str]:
+    """Register an endpoint; return it and its signing secret (shown once by the caller)."""
+    webhook_url_check(url=url)
+    _host_port(url)
+    with transaction.atomic():
+        Organization.objects.select_for_update().filter(pk=organization.pk).first()
+        if WebhookEndpoint.objects.filter(organization=organization,
+                                          disabled_at__isnull=True).count() >= MAX_ENDPOINTS:
+            raise InvalidRequest(f"An organization has at most {MAX_ENDPOINTS} webhook "
+                                 "endpoints; disable one first.", param="url")
+        secret = f"whsec_{secrets.token_hex(24)}"
+        endpoint = WebhookEndpoint.objects.create(organization=organization, url=url,
+                                                  description=description, secret=secret)
+        audit_record(acting_user=acting_user, organization=organization,
+                     action="webhook_endpoint.create", target=endpoint.public_id,
+                     after={"url": url, "description": description})
+    return endpoint, secret
+
+
+def webhook_endpoint_disable(*, endpoint: WebhookEndpoint, acting_user: Any) -> WebhookEndpoint:
+    """Stop sending to ``endpoint`` (its delivery log stays); idempotent."""
+    with transaction.atomic():
+        endpoint = WebhookEndpoint.objects.select_for_update().get(pk=endpoint.pk)
+        if endpoint.disabled_at is None:
+            endpoint.disabled_at = timezone.now()
+            endpoint.save(update_fields=["disabled_at"])
+            audit_record(acting_user=acting_user, organization=endpoint.organization_id,
+                         action="webhook_endpoint.disable", target=endpoint.public_id,
+                         before={"url": endpoint.url})
+    return endpoint
+
+
+def _event_body(*, organization: Organization, event_type: str, event_id: str,
+                data: dict[str, Any]) -> str:
+    return json.dumps({"id": event_id, "type": event_type, "created": int(time.time()),
+                       "organization": organization.public_id, "data": data},
+                      separators=(",", ":"))
+
+
+def _enqueue(deliveries: list[WebhookDelivery]) -> None:
+    from plans.tasks import webhook_delivery  # the tasks module imports this one
+
+    ids = [d.id for d in deliveries]
+    transaction.on_commit(lambda: [webhook_delivery.delay(i) for i in ids])
+
+
+def webhook_event_emit(*, organization: Organization, event_type: str, event_id: str,
+                       data: dict[str, Any]) -> list[WebhookDelivery]:
+    """Record one delivery of an event per enabled endpoint of ``organization`` (once per
+    endpoint and event id, however often it is called) and post them after the caller's
+    transaction commits."""
+    body = _event_body(organization=organization, event_type=event_type, event_id=event_id,
+                       data=data)
+    made = []
+    with transaction.atomic():
+        for endpoint in WebhookEndpoint.objects.filter(organization=organization,
+                                                       disabled_at__isnull=True):
+            delivery, created = WebhookDelivery.objects.get_or_create(
+                endpoint=endpoint, event_id=event_id,
+                defaults={"event_type": event_type, "payload": body})
+            if created:
+                made.append(delivery)
+        _enqueue(made)
+    return made
+
+
+def budget_alert_emit(*, alert: BudgetAlert) -> list[WebhookDelivery]:
+    """Send a budget alert to the organization's endpoints (call in the alert's transaction)."""
+    return webhook_event_emit(organization=alert.budget.organization,
+                              event_type=WebhookEvent.BUDGET_THRESHOLD_REACHED,
+                              event_id=webhook_id(alert=alert), data=_alert_data(alert))
+
+
+def webhook_test_send(*, endpoint: WebhookEndpoint, acting_user: Any) -> WebhookDelivery:
+    """Send a ``webhook.test`` event to ``endpoint`` alone (also a disabled one's check)."""
+    with transaction.atomic():
+        event_id = f"evt_test_{secrets.token_hex(12)}"
+        delivery = WebhookDelivery.objects.create(
+            endpoint=endpoint, event_id=event_id, event_type=WebhookEvent.TEST,
+            payload=_event_body(organization=endpoint.organization, event_type=WebhookEvent.TEST,
+                                event_id=event_id,
+                                data={"endpoint": endpoint.public_id,
+                                      "message": "A test event from the Tollgate console."}))
+        audit_record(acting_user=acting_user, organization=endpoint.organization_id,
+                     action="webhook_endpoint.test", target=endpoint.public_id,
+                     after={"delivery": delivery.public_id})
+        _enqueue([delivery])
+    return delivery
+
+
+def webhook_delivery_resend(*, delivery: WebhookDelivery, acting_user: Any) -> WebhookDelivery:
+    """Post a failed delivery again (the same body and id); a delivered one stays as it is."""
+    with transaction.atomic():
+        delivery = WebhookDelivery.objects.select_for_update().get(pk=delivery.pk)
+        if delivery.status == WebhookDeliveryStatus.FAILED:
+            delivery.status = WebhookDeliveryStatus.PENDING
+            delivery.save(update_fields=["status"])
+            audit_record(acting_user=acting_user, organization=delivery.endpoint.organization_id,
+                         action="webhook_delivery.resend", target=delivery.public_id)
+            _enqueue([delivery])
+    return delivery
+
+
+def webhook_delivery_attempt(*, delivery_id: int, last_attempt: bool = False) -> str:
+    """Make one attempt of a pending delivery, logging it; return what happened.
+
+    Returns ``delivered``, ``refused``, or, changing nothing, ``already_delivered``,
+    ``in_progress`` (another worker holds it), ``not_pending`` or ``no_delivery``. Raises
+    ``WebhookNotDelivered`` after logging a failed attempt, for the task to retry;
+    ``last_attempt`` marks the delivery failed instead of pending after it.
+    """
+    failure: WebhookNotDelivered | None = None
+    with transaction.atomic():
+        delivery = (WebhookDelivery.objects.select_for_update(skip_locked=True, of=("self",))
+                    .select_related("endpoint").filter(pk=delivery_id).first())
+        if delivery is None:
+            return ("in_progress" if WebhookDelivery.objects.filter(pk=delivery_id).exists()
+                    else "no_delivery")
+        if delivery.status == WebhookDeliveryStatus.DELIVERED:
+            return "already_delivered"
+        if delivery.status != WebhookDeliveryStatus.PENDING:
+            return "not_pending"
+        endpoint = delivery.endpoint
+        outcome, started = "delivered", time.monotonic()
+        try:
+            delivery.last_status = _send(url=endpoint.url, secret=endpoint.secret,
+                                         body=delivery.payload.encode(),
+                                         delivery_id=delivery.event_id)
+            delivery.status, delivery.delivered_at = (WebhookDeliveryStatus.DELIVERED,
+                                                      timezone.now())
+        except WebhookAddressRefused as exc:
+            outcome = "refused"
+            delivery.status, delivery.last_status = (WebhookDeliveryStatus.REFUSED,
+                                                     "refused: non-public address")
+            log.warning("webhook delivery %s: refused: %s", delivery.public_id, exc.message)
+        except WebhookNotDelivered as exc:
+            outcome, failure = "failed", exc
+            delivery.last_status = str(exc)[:STATUS_MAX]
+            if last_attempt:
+                delivery.status = WebhookDeliveryStatus.FAILED
+        delivery.attempts += 1
+        WebhookAttempt.objects.create(delivery=delivery, status=delivery.last_status,
+                                      duration_ms=int((time.monotonic() - started) * 1000))
+        delivery.save(update_fields=["status", "last_status", "delivered_at", "attempts"])
+    webhook_delivery_counted(outcome)
+    if failure is not None:
+        if last_attempt:
+            webhook_delivery_counted("abandoned")
+            log.error("webhook delivery %s: not delivered after %d attempts (last: %s)",
+                      delivery_id, delivery.attempts, failure)
+        raise failure
+    return outcome

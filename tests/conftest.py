@@ -19,6 +19,8 @@ import pytest
 from django.db import connection
 from rest_framework.test import APIClient
 
+from tests.webhook_receivers import receivers  # noqa: F401 - a fixture of every test
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -35,8 +35,19 @@ class BudgetForm(forms.Form):
                                 label="Monthly amount")
     hard = forms.BooleanField(required=False, initial=True,
                               label="Hard limit (refuse requests at 100 %)")
+    thresholds = forms.CharField(
+        required=False, initial="50, 80, 100", label="Alert at (% of the amount)",
+        help_text="Comma-separated percentages, e.g. 50, 80, 100; each alerts once a month.")
     alert_emails = forms.CharField(required=False, help_text="Comma-separated")
     webhook_url = forms.URLField(required=False, label="Webhook URL", assume_scheme="https")
+
+    def clean_thresholds(self) -> list[int] | None:
+        values = _split(self.cleaned_data["thresholds"])
+        try:
+            return [int(v.rstrip("%").strip()) for v in values] or None
+        except ValueError:
+            raise forms.ValidationError("Thresholds are whole percentages separated by "
+                                        "commas, e.g. 50, 80, 100.") from None
 
 
 class BillingProfileForm(forms.Form):
@@ -118,6 +129,7 @@ def quota_settings(request: HttpRequest, access: OrgAccess) -> HttpResponse:
                     quotas.budget_set(
                         organization=org, project=project, actor=request.user,
                         amount=data["amount"], hard=data["hard"],
+                        thresholds=data["thresholds"],
                         alert_emails=_split(data["alert_emails"]),
                         webhook_url=data["webhook_url"])
                     messages.success(request, "Budget saved.")
