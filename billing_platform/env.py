@@ -232,3 +232,8 @@ FINANCE_EXPORT_DIR: str = env.str("TOLLGATE_FINANCE_EXPORT_DIR",
 FINANCE_EXPORT_S: float = env.float("TOLLGATE_FINANCE_EXPORT_S", default=86400.0)
 FINANCE_EXPORT_LAG_S: float = env.float("TOLLGATE_FINANCE_EXPORT_LAG_S", default=3600.0)
 FINANCE_EXPORT_BACKFILL_DAYS: int = env.int("TOLLGATE_FINANCE_EXPORT_BACKFILL_DAYS", default=7)
+
+# Console reservations page (billing_platform/console/reservation_views.py): whether an
+# organization's owners and admins buy and renew provisioned throughput themselves (billed on
+# the next invoice) or send a request that staff act on (the default).
+RESERVATIONS_SELF_SERVE: bool = env.bool("TOLLGATE_RESERVATIONS_SELF_SERVE", default=False)

@@ -266,6 +266,9 @@ SELLER_ADDRESS = E.SELLER_ADDRESS
 SELLER_TAX_ID = E.SELLER_TAX_ID
 SELLER_EMAIL = E.SELLER_EMAIL
 
+# Reservations: self-serve purchase and renewal in the console, or a request to staff.
+RESERVATIONS_SELF_SERVE = E.RESERVATIONS_SELF_SERVE
+
 # Warehouse export (billing_platform/finance/exports.py; the beat period is in celery.py).
 FINANCE_EXPORT_DIR = E.FINANCE_EXPORT_DIR
 FINANCE_EXPORT_LAG_S = E.FINANCE_EXPORT_LAG_S

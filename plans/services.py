@@ -572,6 +572,64 @@ def reservation_update(*, reservation: Reservation, overflow_policy: str | None 
     return reservation
 
 
+def reservation_renew(*, reservation: Reservation, term_count: int = 1,
+                      at: datetime | None = None, acting_user: Any = None) -> Reservation:
+    """Reserve the same units of the same offering for ``term_count`` more terms, from the
+    reservation's end (or from ``at``, when it has ended): the renewal is a new reservation, at
+    the offering's terms of today, billed as any other."""
+    at = _aware(at or timezone.now(), "at")
+    with transaction.atomic():
+        renewal = reservation_create(
+            organization=reservation.organization, offering=reservation.offering,
+            units=reservation.units, term=reservation.term, term_count=term_count,
+            starts_at=max(at, reservation.ends_at),
+            overflow_policy=reservation.overflow_policy, acting_user=acting_user)
+        audit_record(acting_user=acting_user, organization=reservation.organization_id,
+                     action="reservation.renew", target=reservation.public_id,
+                     after={"renewal": renewal.public_id, "starts_at": renewal.starts_at,
+                            "ends_at": renewal.ends_at, "fee": renewal.fee,
+                            "currency": renewal.currency})
+    return renewal
+
+
+RESERVATION_REQUEST = "reservation.request"
+
+
+def reservation_request(*, organization: Organization, offering: ProvisionedOffering,
+                        units: int, term: str, term_count: int = 1,
+                        renews: Reservation | None = None, note: str = "",
+                        acting_user: Any = None) -> str:
+    """Ask staff for a reservation (or a renewal of ``renews``) where customers do not buy
+    them themselves; return the request's id.
+
+    Nothing is reserved or billed: the request is one audit row (``reservation.request``, with
+    the fee at today's prices), which staff read in the whole-platform audit log and act on
+    with ``reservation_create``. Refused as ``reservation_create`` would refuse it.
+    """
+    if not offering.is_active:
+        raise InvalidRequest("This offering is no longer sold.", param="offering")
+    if units < offering.min_units:
+        raise InvalidRequest(f"At least {offering.min_units} units.", param="units")
+    if term_count < 1:
+        raise InvalidRequest("term_count must be >= 1", param="term_count")
+    prices: dict[str, Decimal] = {ReservationTerm.HOURLY: offering.hourly_unit_price,
+                                  ReservationTerm.MONTHLY: offering.monthly_unit_price}
+    if term not in prices:
+        raise InvalidRequest(f"Unknown term {term!r}", param="term")
+    if renews is not None and renews.organization_id != organization.pk:
+        raise InvalidRequest("No such reservation.", param="reservation")
+    with transaction.atomic():
+        row = audit_record(
+            acting_user=acting_user, organization=organization, action=RESERVATION_REQUEST,
+            target=renews.public_id if renews is not None else offering.code,
+            after={"offering": offering.code, "model": offering.model,
+                   "region": offering.region, "units": units, "term": term,
+                   "term_count": term_count, "renews": renews.public_id if renews else None,
+                   "fee": units * prices[term] * term_count, "currency": offering.currency,
+                   "note": note})
+    return row.public_id
+
+
 # --- credit grants -----------------------------------------------------------------------------
 
 def credit_grant_create(
