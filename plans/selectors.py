@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Context, Decimal, localcontext
 from typing import Any, NamedTuple
 
-from django.db.models import Min, Q, QuerySet, Sum
+from django.db.models import F, Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
@@ -18,6 +18,7 @@ from metering.provisioned_usage import provisioned_usage_by_hour
 from metering.selectors import usage_events_outside_regions
 from plans.choices import PlanKind, ReservationTerm
 from plans.models import (
+    BudgetAlert,
     CreditGrant,
     CreditPack,
     CreditPackPurchase,
@@ -30,6 +31,8 @@ from plans.models import (
     Subscription,
     TokenPlanPeriod,
     TokenPlanUsage,
+    WebhookDelivery,
+    WebhookEndpoint,
 )
 from plans.periods import add_months, period_bounds
 from plans.pricing import PriceSet
@@ -449,3 +452,23 @@ def models_first_priced(*, version_models: Iterable[tuple[int, str]]) -> dict[st
         if any(books.get(v) == book_id and m == model for v, m in pairs):
             out[model] = first
     return out
+
+
+def webhook_endpoints_of(*, organization: Organization) -> list[WebhookEndpoint]:
+    """Return an organization's webhook endpoints, enabled ones first, newest first."""
+    return list(WebhookEndpoint.objects.filter(organization=organization)
+                .order_by(F("disabled_at").desc(nulls_first=True), "-created_at"))
+
+
+def webhook_deliveries_of(*, organization: Organization, limit: int = 50
+                          ) -> list[WebhookDelivery]:
+    """Return an organization's latest webhook deliveries, newest first, with their attempts."""
+    return list(WebhookDelivery.objects.filter(endpoint__organization=organization)
+                .select_related("endpoint").prefetch_related("attempt_log")
+                .order_by("-created_at", "-id")[:limit])
+
+
+def budget_alerts_of(*, organization: Organization, limit: int = 50) -> list[BudgetAlert]:
+    """Return an organization's latest budget alerts, newest first."""
+    return list(BudgetAlert.objects.filter(budget__organization=organization)
+                .select_related("budget__project").order_by("-created_at", "-id")[:limit])
