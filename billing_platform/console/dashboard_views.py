@@ -31,6 +31,7 @@ from billing_platform.accounts.selectors import OrgAccess
 from billing_platform.console.views import org_page
 from billing_platform.db import replica_report
 from metering.selectors import UsageBucket, UsageFilter, usage_summary
+from plans import refusals
 from plans.cache_savings import CachedUsage, cache_savings
 from plans.periods import month_bounds
 from plans.pricing import quantize_amount
@@ -188,6 +189,8 @@ def dashboard_context(access: OrgAccess, now: datetime) -> dict[str, Any]:
 
         upcoming = upcoming_invoice(organization=org, now=now)
     outcomes = _outcomes(rows)
+    refused = [(refusals.reason_label(reason), n) for reason, n in
+               refusals.refusals_by_reason(org_id=org.pk, start=start, end=through)]
     return {
         "projects": org.projects.order_by("created_at"),
         "active_keys": ApiKey.objects.filter(organization=org, revoked_at__isnull=True).count(),
@@ -209,6 +212,10 @@ def dashboard_context(access: OrgAccess, now: datetime) -> dict[str, Any]:
                                         for label, k in (("OK", "ok"), ("Engine error", "errors"),
                                                          ("Client aborted", "aborted"))]},
         "outcomes": outcomes,
+        "refused": refused,
+        "refused_chart": {"type": "bar", "labels": [label for label, _n in refused],
+                          "datasets": [{"label": "Refused (429)",
+                                        "data": [n for _label, n in refused]}]},
         "requests": sum(r.requests for r in rows),
         "prompt_tokens": prompt, "cached_tokens": cached,
         "hit_rate": f"{Decimal(cached * 100) / prompt:.1f}%" if prompt else "-",

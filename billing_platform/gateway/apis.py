@@ -46,7 +46,7 @@ from billing_platform.gateway.validation import (
 )
 from billing_platform.json_input import json_loads
 from metering.events import new_request_id
-from plans import concurrency
+from plans import concurrency, refusals
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -83,6 +83,9 @@ def openai_endpoint(scope: str = Scope.INFERENCE, methods: tuple[str, ...] = ("P
                 response = await view(request, principal, request_id, *args, **kwargs)
             except DomainError as exc:
                 response = error(exc, request_id)
+                if exc.status == 429 and principal is not None:  # the console's 429s by reason
+                    await refusals.arecord(org_id=principal.org_id,
+                                           reason=getattr(exc, "reason", "") or exc.code)
             if principal is not None and "x-ratelimit-limit-requests" not in response:
                 # Not admitted (model lists, errors, refusals before admission): report the
                 # key's state as it is, like OpenAI does on every response.

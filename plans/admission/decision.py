@@ -225,7 +225,7 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue],
         msg = (f"Rate limit reached for requests per minute (RPM): Limit "
                f"{headers.get('x-ratelimit-limit-requests')}. Please try again in "
                f"{_duration(retry_ms)}.")
-        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers)
+        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers, reason="rpm")
     if reason in ("tokens", "too_large"):
         limit = headers.get("x-ratelimit-limit-tokens")
         if reason == "too_large":
@@ -236,7 +236,8 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue],
         else:
             msg = (f"Rate limit reached for tokens per minute (TPM): Limit {limit}, Requested "
                    f"{estimate}. Please try again in {_duration(retry_ms)}.")
-        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers)
+        return QuotaExceeded(msg, code="rate_limit_exceeded", headers=headers,
+                             reason="tpm" if reason == "tokens" else "request_too_large")
     if reason.startswith("budget:"):
         rule = policy.budgets[int(reason.split(":")[1]) - 1]
         if rule.scope == "plan":
@@ -244,19 +245,19 @@ def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue],
                 f"Your token plan's credits for this period are used up (limit "
                 f"{rule.limit.normalize():f} credits, this request may need more than is left)."
                 f" Buy a credit pack or wait for the next period.",
-                code="plan_quota_exhausted", headers=headers)
+                code="plan_quota_exhausted", headers=headers, reason="plan_credits")
         return spend_limit_error(rule, headers)
     if reason == "window" and policy.window is not None:
         return QuotaExceeded(
             f"Your token plan's credits for the rolling {policy.window.hours}-hour window are "
             f"used up (limit {policy.window.limit.normalize():f} credits, this request may need "
             f"more than is left). Please try again in {_duration(retry_ms)}.",
-            code="plan_quota_exhausted", headers=headers)
+            code="plan_quota_exhausted", headers=headers, reason="plan_window")
     if reason == "provisioned":
         headers["x-tollgate-capacity"] = "provisioned"
         return QuotaExceeded("Your provisioned capacity is fully used and its overflow policy "
                              "rejects excess requests.", code="rate_limit_exceeded",
-                             headers=headers)
+                             headers=headers, reason="provisioned")
     return QuotaExceeded("Quota exceeded.", code="rate_limit_exceeded", headers=headers)
 
 
@@ -265,9 +266,10 @@ def spend_limit_error(rule: BudgetRule, headers: dict[str, str]) -> QuotaExceede
         return QuotaExceeded(
             f"The end user {rule.end_user!r} (the request's 'user') reached its monthly "
             f"spend limit ({rule.limit.normalize():f}). Raise that end user's budget or wait "
-            "for the next month.", code=SPEND_CODES[rule.scope], headers=headers)
+            "for the next month.", code=SPEND_CODES[rule.scope], headers=headers,
+            reason="end_user_budget")
     who = "organization" if rule.scope == "organization" else "project"
     return QuotaExceeded(
         f"You exceeded your {who}'s monthly spend limit ({rule.limit.normalize():f}). "
         f"Raise the budget in the console or wait for the next month.",
-        code=SPEND_CODES[rule.scope], headers=headers)
+        code=SPEND_CODES[rule.scope], headers=headers, reason=f"{rule.scope}_budget")

@@ -284,6 +284,9 @@ class QuotaExceeded(DomainError):
     status = 429
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, code: str, headers: dict[str, str] | None = None):
+    def __init__(self, message: str, *, code: str, headers: dict[str, str] | None = None,
+                 reason: str = ""):
         super().__init__(message, code=code)
         self.headers = headers or {}
+        # finer than OpenAI's code: which limit said no (plans.refusals counts by it)
+        self.reason = reason or code
