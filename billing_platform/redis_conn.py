@@ -119,27 +119,18 @@ class _HiredisPacking:
 
 
 class _ClosedIsConnectionError:
-    """Mixin for redis-py's asyncio connections: writing to a connection being closed is a
-    ``ConnectionError``, which the clients retry on a fresh connection.
-
-    redis-py's cluster client closes a node's idle connections after any error on that node
-    but leaves them in its free list while they close; a command that takes one then writes to
-    a closed transport. asyncio's own loop drops that write (the read then fails with a
-    ``ConnectionError``), uvloop's (the gateway's) raises a bare ``RuntimeError`` ("the handler
-    is closed"), and once the close has finished the write meets no writer (``AttributeError``):
-    errors no client retries, a 500 for a request that came in that moment. Nothing was sent in
-    either case, so the retry sends the command once.
-    """
+    """Mixin: writing to a connection being closed is a ``ConnectionError``, which the clients
+    retry. redis-py's cluster client closes a node's idle connections after an error on it but
+    leaves them in its free list meanwhile; a command taking one then meets uvloop's bare
+    ``RuntimeError`` ("the handler is closed") or, once closed, no writer (``AttributeError``):
+    a 500. Nothing was sent in either case, so the retry sends the command once."""
 
     async def send_packed_command(self, command, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except (RuntimeError, AttributeError) as e:
-            # nothing was written: the transport was closed (uvloop's RuntimeError) or the
-            # close finished and took the writer (None) while this command waited to write
-            closed = ("closed" in str(e) if isinstance(e, RuntimeError)
-                      else getattr(e, "obj", True) is None)
-            if not closed:
+            if not ("closed" in str(e) if isinstance(e, RuntimeError)
+                    else getattr(e, "obj", True) is None):
                 raise
             raise redis.exceptions.ConnectionError(
                 f"Redis connection closed while sending: {e}") from e
