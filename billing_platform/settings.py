@@ -28,6 +28,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "axes",
     "csp",
+    "django_htmx",
     "billing_platform.accounts",
     "billing_platform.audit",
     "billing_platform.idempotency",
@@ -52,6 +53,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "billing_platform.db.ReadYourWritesMiddleware",  # after auth: it pins the signed-in user
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",  # turns a locked-out login into the lockout page
     "django_prometheus.middleware.PrometheusAfterMiddleware",

@@ -284,3 +284,47 @@ def test_a_disabled_endpoint_receives_no_event_but_keeps_its_log(client):
     assert endpoint.disabled_at is not None and made == []
     page = client.get("/console/alerts/").content.decode()
     assert "disabled" in page and "evt_old" in page
+
+
+@pytest.mark.django_db
+def test_htmx_gets_the_delivery_log_alone_and_a_test_event_answers_with_it(client):
+    # given an endpoint of this organization and another organization's delivery
+    org = OrganizationFactory()
+    _signed_in(client, org)
+    _add_endpoint(client, "https://hooks.example.com/a")
+    endpoint = WebhookEndpoint.objects.get(organization=org)
+    other, _ = webhooks.webhook_endpoint_create(organization=OrganizationFactory(),
+                                                url="https://theirs.example.com/",
+                                                acting_user=None)
+    webhooks.webhook_test_send(endpoint=other, acting_user=None)
+
+    # when htmx posts a test event
+    r = client.post("/console/alerts/", {"action": "test", "endpoint": endpoint.public_id},
+                    HTTP_HX_REQUEST="true")
+
+    # then the answer is the log alone: the new delivery, pending, polling itself
+    body = r.content.decode()
+    assert r.status_code == 200 and "<html" not in body
+    assert body.startswith('<div class="card" id="delivery-log"')
+    assert "Test event evt_test_" in body and 'hx-trigger="every 2s"' in body
+    assert "theirs.example.com" not in body
+    # and the log fetched alone stops polling once nothing is pending
+    WebhookDelivery.objects.filter(endpoint=endpoint).update(
+        status=WebhookDeliveryStatus.DELIVERED)
+    part = client.get("/console/alerts/?part=deliveries", HTTP_HX_REQUEST="true")
+    assert "Delivered" in part.content.decode() and "hx-trigger" not in part.content.decode()
+
+
+@pytest.mark.django_db
+def test_htmx_post_of_a_role_without_org_write_is_refused_in_the_log(client):
+    org = OrganizationFactory()
+    endpoint, _ = webhooks.webhook_endpoint_create(organization=org,
+                                                   url="https://hooks.example.com/a",
+                                                   acting_user=None)
+    _signed_in(client, org, Role.VIEWER)
+
+    r = client.post("/console/alerts/", {"action": "test", "endpoint": endpoint.public_id},
+                    HTTP_HX_REQUEST="true")
+
+    assert "<html" not in r.content.decode() and "cannot change webhooks" in r.content.decode()
+    assert not WebhookDelivery.objects.exists()
