@@ -37,7 +37,7 @@ from billing_platform.db import replica_report
 from billing_platform.errors import Forbidden, InvalidRequest, NotFound
 from metering import conf, events, retention, services
 from metering import serializers as s
-from metering.choices import EventSource
+from metering.choices import EventSource, EventStatus
 from metering.recording import TRANSIENT, close_broken_connection
 from metering.retention import UsageBeyondRetention
 from metering.selectors import (
@@ -270,7 +270,8 @@ def _filter_values(params: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return values
 
 
-def _refuse_unbounded(start: datetime, end: datetime, group_by: tuple[str, ...]) -> None:
+def _refuse_unbounded(start: datetime, end: datetime, group_by: tuple[str, ...],
+                      by_status: bool = False) -> None:
     """Refuse a usage read longer than the range bound, or whose time buckets alone would be
     more groups than one answer holds (checked before any query runs)."""
     span = end - start
@@ -280,11 +281,12 @@ def _refuse_unbounded(start: datetime, end: datetime, group_by: tuple[str, ...])
             f"The range from start to end is {span.total_seconds() / 86400:g} days; one request "
             f"may sum at most {max_days} days. Split the range into several requests.",
             param="end", code="usage_range_too_large")
-    by_events = [g for g in group_by if g in EVENT_GROUPS]
+    by_events = [f"grouping by {g}" for g in group_by if g in EVENT_GROUPS]
+    by_events += ["filtering by status"] if by_status else []
     max_event_days = conf.usage_api_max_event_range_days()
     if by_events and span > timedelta(days=max_event_days):
         raise InvalidRequest(
-            f"Grouping by {by_events[0]} sums the recorded events themselves; one request may "
+            f"{by_events[0].capitalize()} sums the recorded events themselves; one request may "
             f"sum at most {max_event_days} days of them. Split the range into several "
             "requests.", param="end", code="usage_range_too_large")
     max_groups = conf.usage_api_max_groups()
@@ -332,6 +334,9 @@ class UsageApi(APIView):
             OpenApiParameter("model", str, description="Comma-separated model names."),
             OpenApiParameter("service_tier", str, description="Comma-separated tiers."),
             OpenApiParameter("region", str, description="Comma-separated regions."),
+            OpenApiParameter("status", str, description="Comma-separated outcomes: ok, "
+                             "engine_error, client_aborted (at most 31 days: read from the "
+                             "events)."),
             OpenApiParameter("group_by", str, description="Comma-separated: "
                              + ", ".join(GROUPS)),
         ],
@@ -342,7 +347,8 @@ class UsageApi(APIView):
                     "default; `usage_range_too_large`), answers at most "
                     "`TOLLGATE_USAGE_MAX_GROUPS` groups (10,000; `usage_too_many_groups`), sums "
                     "at most `TOLLGATE_USAGE_MAX_EVENT_RANGE_DAYS` days (31) when grouped by "
-                    "`user` (read from the events: the rollups do not keep it) and "
+                    "`user` or filtered by `status` (read from the events: the rollups do not keep "
+                    "them) and "
                     "takes at most `TOLLGATE_USAGE_MAX_FILTER_VALUES` values per filter (100; "
                     "`too_many_values`); beyond a bound it answers 400 saying which.",
     )
@@ -401,7 +407,12 @@ def usage_query(params: Mapping[str, Any], *, organization: Organization,
     if unknown:
         raise InvalidRequest(f"Cannot group by {', '.join(unknown)}; choose from "
                              f"{', '.join(GROUPS)}.", param="group_by")
-    _refuse_unbounded(start, end, group_by)
+    statuses = _filter_values(params, "status")
+    unknown = [v for v in statuses if v not in EventStatus.values]
+    if unknown:
+        raise InvalidRequest(f"Unknown status {unknown[0]!r}; choose from "
+                             f"{', '.join(EventStatus.values)}.", param="status")
+    _refuse_unbounded(start, end, group_by, by_status=bool(statuses))
 
     project_ids = _lookup(Project, organization, _filter_values(params, "project"), "project")
     if only_project_id is not None:
@@ -415,7 +426,7 @@ def usage_query(params: Mapping[str, Any], *, organization: Organization,
             org_id=organization.id, start=start, end=end, project_ids=project_ids,
             api_key_ids=key_ids, models=_filter_values(params, "model"),
             service_tiers=_filter_values(params, "service_tier"),
-            regions=_filter_values(params, "region"),
+            regions=_filter_values(params, "region"), statuses=statuses,
         ),
         group_by=group_by,
     )

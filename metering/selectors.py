@@ -63,6 +63,7 @@ class UsageFilter:
     models: tuple[str, ...] = ()
     service_tiers: tuple[str, ...] = ()
     regions: tuple[str, ...] = ()
+    statuses: tuple[str, ...] = ()  # the events' outcome: read from the events (not rolled up)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def usage_summary(*, usage_filter: UsageFilter, group_by: tuple[str, ...] = (),
     of ``usage_event``; the range is whole UTC hours. ``limit``: at most that many groups (the
     first ones in order), for callers that bound what one request may read.
     """
-    if EVENT_GROUPS & set(group_by):
+    if EVENT_GROUPS & set(group_by) or usage_filter.statuses:
         return _event_summary(usage_filter, group_by, limit)
     qs = _rollups(usage_filter)
     names = {g: GROUPS[g] for g in group_by}
@@ -146,14 +147,16 @@ def _event_summary(f: UsageFilter, group_by: tuple[str, ...], limit: int | None
     the same sums the ingest transaction adds to the rollups, per group of event columns.
 
     The end user is not a rollup dimension: a reseller's end users can be millions, and each
-    would multiply the hourly rows every other read sums. Reading the events is exact and
-    costs one index range of the organization, which the range bound keeps to a month.
+    would multiply the hourly rows every other read sums. Nor is the outcome (``status``): the
+    rollups count failed and aborted requests, not their tokens and amounts apart. Reading the
+    events is exact and costs one index range of the organization, which the range bound keeps
+    to a month.
     """
     qs = UsageEvent.objects.filter(organization_id=f.org_id, event_time__gte=f.start,
                                    event_time__lt=f.end)
     filters: tuple[tuple[str, tuple[object, ...]], ...] = (
         ("project_id", f.project_ids), ("api_key_id", f.api_key_ids), ("model", f.models),
-        ("service_tier", f.service_tiers), ("region", f.regions))
+        ("service_tier", f.service_tiers), ("region", f.regions), ("status", f.statuses))
     for column, wanted in filters:
         if wanted:
             qs = qs.filter(**{f"{column}__in": wanted})

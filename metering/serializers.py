@@ -110,6 +110,8 @@ class UsageQuerySerializer(serializers.Serializer):
     model = serializers.CharField(required=False, help_text="Comma-separated model names.")
     service_tier = serializers.CharField(required=False, help_text="Comma-separated tiers.")
     region = serializers.CharField(required=False, help_text="Comma-separated regions.")
+    status = serializers.CharField(required=False, help_text="Comma-separated outcomes: ok, "
+                                   "engine_error, client_aborted (at most 31 days).")
     group_by = serializers.CharField(required=False, help_text="Comma-separated: day, hour, "
                                      "model, project, key, service_tier, capacity_source, region, "
                                      "user (the requests' `user`; at most 31 days).")

@@ -1,6 +1,6 @@
 """Console usage explorer: an organization's usage over any range (past periods too), filtered
-by project, key, model, tier and region, grouped by hour, day, model, project, key, tier or
-region (and split by a second dimension), as a chart, a table and a streamed CSV.
+by project, key, model, tier, region and status, grouped by hour, day, model, project, key,
+tier or region (and split by a second dimension), as a chart, a table and a streamed CSV.
 
 One source: the filters are ``GET /api/v1/usage``'s parameters, parsed, bounded and refused by
 the API's own ``metering.apis.usage_query`` (the same names, defaults, 366-day and 10,000-group
@@ -11,9 +11,9 @@ same query. The one console-only input is ``through``, the inclusive last day a 
 
 Status: the rollups keep, per hour and dimension, how many requests ended in ``engine_error``
 (``error_requests``) and ``client_aborted`` (``aborted_requests``), not tokens or amounts per
-status. So the explorer shows requests by outcome (columns, and chart metrics) but does not
-filter tokens or amounts by status: that would need the raw events, and then the page would no
-longer agree with ``/api/v1/usage``.
+status. So the explorer shows requests by outcome (columns, and chart metrics) from the
+rollups, and a status filter (tokens and amounts of the requests that ended so) is the API's
+``status`` filter, which reads the events themselves and so sums at most 31 days.
 
 Amounts: the CSV has them exact (the rated sums, trailing zeros dropped, at least cents); the
 page shows them with the places they need (``usage_money``: ``$0.0031``, ``$1.95``), never
@@ -49,7 +49,7 @@ from metering import serializers as usage_serializers
 from metering.selectors import UsageBucket
 
 # the API's filter parameters the explorer offers (comma-separated lists, as the API takes)
-FILTERS = ("project", "key", "model", "service_tier", "region")
+FILTERS = ("project", "key", "model", "service_tier", "region", "status")
 GROUPS = {"day": "Day", "hour": "Hour", "model": "Model", "project": "Project",
           "key": "API key", "service_tier": "Tier", "region": "Region"}
 SPLITS = {"": "nothing", "model": "Model", "project": "Project", "key": "API key",
@@ -59,6 +59,7 @@ METRICS = {"total_tokens": "Total tokens", "prompt_tokens": "Input tokens",
            "requests": "Requests", "error_requests": "Requests failed (engine_error)",
            "aborted_requests": "Requests aborted by the client", "amount": "Amount"}
 TIERS = ("default", "priority", "flex", "batch")
+STATUSES = (("ok", "OK"), ("engine_error", "Engine error"), ("client_aborted", "Client aborted"))
 COLUMNS = ("currency", "requests", "error_requests", "aborted_requests", "prompt_tokens",
            "cached_tokens", "completion_tokens", "total_tokens", "amount")
 
@@ -262,7 +263,8 @@ def _form(get: QueryDict, access: OrgAccess) -> dict[str, Any]:
                                .order_by("project__name", "name"),
         "chosen": {name: set(",".join(get.getlist(name)).split(",")) for name in FILTERS},
         "model": get.get("model", ""), "region": get.get("region", ""),
-        "tiers": TIERS, "groups": GROUPS, "splits": SPLITS, "metrics": METRICS,
+        "tiers": TIERS, "statuses": STATUSES, "groups": GROUPS, "splits": SPLITS,
+        "metrics": METRICS,
         "group": get.get("group") or "day",
         "split": get.get("split", "model") if "group" not in get else get.get("split", ""),
         "metric": get.get("metric") or "total_tokens",
