@@ -46,6 +46,7 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -277,12 +278,19 @@ def budget_alert_webhook_deliver(*, alert_id: int, last_attempt: bool = False) -
             alert.webhook_status = str(exc)[:STATUS_MAX]
         alert.webhook_attempts += 1
         alert.save(update_fields=["webhook_status", "webhook_delivered_at", "webhook_attempts"])
-    budget_webhook_counted(outcome)
+    return _settled(budget_webhook_counted, outcome, failure, last_attempt=last_attempt,
+                    what=f"budget alert {alert_id}: webhook", attempts=alert.webhook_attempts)
+
+
+def _settled(counted: Callable[[str], None], outcome: str, failure: WebhookNotDelivered | None,
+             *, last_attempt: bool, what: str, attempts: int) -> str:
+    """Count an attempt's outcome; raise its failure for the task to retry (counted and logged
+    as abandoned on the last attempt); else return the outcome."""
+    counted(outcome)
     if failure is not None:
         if last_attempt:
-            budget_webhook_counted("abandoned")
-            log.error("budget alert %s: webhook not delivered after %d attempts (last: %s)",
-                      alert_id, alert.webhook_attempts, failure)
+            counted("abandoned")
+            log.error("%s not delivered after %d attempts (last: %s)", what, attempts, failure)
         raise failure
     return outcome
 
@@ -450,11 +458,5 @@ def webhook_delivery_attempt(*, delivery_id: int, last_attempt: bool = False) ->
         WebhookAttempt.objects.create(delivery=delivery, status=delivery.last_status,
                                       duration_ms=int((time.monotonic() - started) * 1000))
         delivery.save(update_fields=["status", "last_status", "delivered_at", "attempts"])
-    webhook_delivery_counted(outcome)
-    if failure is not None:
-        if last_attempt:
-            webhook_delivery_counted("abandoned")
-            log.error("webhook delivery %s: not delivered after %d attempts (last: %s)",
-                      delivery_id, delivery.attempts, failure)
-        raise failure
-    return outcome
+    return _settled(webhook_delivery_counted, outcome, failure, last_attempt=last_attempt,
+                    what=f"webhook delivery {delivery_id}", attempts=delivery.attempts)
