@@ -407,13 +407,14 @@ def webhook_test_send(*, endpoint: WebhookEndpoint, acting_user: Any) -> Webhook
 def webhook_delivery_resend(*, delivery: WebhookDelivery, acting_user: Any) -> WebhookDelivery:
     """Post a failed delivery again (the same body and id); a delivered one stays as it is."""
     with transaction.atomic():
-        delivery = WebhookDelivery.objects.select_for_update().get(pk=delivery.pk)
-        if delivery.status == WebhookDeliveryStatus.FAILED:
-            delivery.status = WebhookDeliveryStatus.PENDING
-            delivery.save(update_fields=["status"])
+        # one conditional UPDATE (not a lock held around the check): a second click finds it
+        # pending and changes nothing
+        if WebhookDelivery.objects.filter(pk=delivery.pk, status=WebhookDeliveryStatus.FAILED
+                                          ).update(status=WebhookDeliveryStatus.PENDING):
             audit_record(acting_user=acting_user, organization=delivery.endpoint.organization_id,
                          action="webhook_delivery.resend", target=delivery.public_id)
             _enqueue([delivery])
+    delivery.refresh_from_db()
     return delivery
 
 
@@ -421,17 +422,20 @@ def webhook_delivery_attempt(*, delivery_id: int, last_attempt: bool = False) ->
     """Make one attempt of a pending delivery, logging it; return what happened.
 
     Returns ``delivered``, ``refused``, or, changing nothing, ``already_delivered``,
-    ``in_progress`` (another worker holds it), ``not_pending`` or ``no_delivery``. Raises
-    ``WebhookNotDelivered`` after logging a failed attempt, for the task to retry;
-    ``last_attempt`` marks the delivery failed instead of pending after it.
+    ``not_pending`` or ``no_delivery``. Raises ``WebhookNotDelivered`` after logging a failed
+    attempt, for the task to retry; ``last_attempt`` marks the delivery failed instead of
+    pending after it. A row another transaction holds (a worker posting it, a resend being
+    written) is retried too, unlogged: returning would drop a delivery a resend just made
+    pending.
     """
     failure: WebhookNotDelivered | None = None
     with transaction.atomic():
         delivery = (WebhookDelivery.objects.select_for_update(skip_locked=True, of=("self",))
                     .select_related("endpoint").filter(pk=delivery_id).first())
         if delivery is None:
-            return ("in_progress" if WebhookDelivery.objects.filter(pk=delivery_id).exists()
-                    else "no_delivery")
+            if WebhookDelivery.objects.filter(pk=delivery_id).exists():
+                raise WebhookNotDelivered("in_progress")
+            return "no_delivery"
         if delivery.status == WebhookDeliveryStatus.DELIVERED:
             return "already_delivered"
         if delivery.status != WebhookDeliveryStatus.PENDING:

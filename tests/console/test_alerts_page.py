@@ -17,7 +17,7 @@ from billing_platform.audit.models import AuditEvent
 from billing_platform.redis_conn import get_redis
 from plans import admission, quotas, webhooks
 from plans.choices import WebhookDeliveryStatus
-from plans.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
+from plans.models import BudgetAlert, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 from tests.conftest import wait_until
 from tests.factories import MembershipFactory, OrganizationFactory
 
@@ -219,7 +219,9 @@ def test_a_test_event_and_a_budget_alert_reach_the_endpoint_signed_and_logged(
     budget = quotas.budget_set(organization=org, amount="2.00", hard=False, thresholds=[50])
     key = admission.budget_key(org.id, budget.id, budget.created_at)
     get_redis().hset(key, "spent", admission.to_micro(Decimal("1.25")))
-    assert quotas.budget_reconcile(budget=budget)["fired"] == [50]
+    quotas.budget_reconcile(budget=budget)  # as the sweep does (or the worker's, after the set)
+    assert list(BudgetAlert.objects.filter(budget=budget).values_list("threshold",
+                                                                      flat=True)) == [50]
 
     # then the endpoint receives the alert, and the log shows both deliveries and attempts
     alert = WebhookDelivery.objects.get(endpoint=endpoint, event_type="budget.threshold_reached")
@@ -328,3 +330,47 @@ def test_htmx_post_of_a_role_without_org_write_is_refused_in_the_log(client):
 
     assert "<html" not in r.content.decode() and "cannot change webhooks" in r.content.decode()
     assert not WebhookDelivery.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_attempt_meeting_a_held_delivery_is_retried_not_dropped(receivers, settings):
+    # given a delivery a resend is being written for (its row held by that transaction)
+    import threading
+
+    from django.db import connections, transaction
+
+    settings.WEBHOOK_ALLOW_PRIVATE_ADDRESSES = True
+    receiver = receivers()
+    org = OrganizationFactory()
+    endpoint, _ = webhooks.webhook_endpoint_create(organization=org, url=receiver.url,
+                                                   acting_user=None)
+    delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_held",
+                                              event_type="webhook.test", payload="{}")
+    holding, release = threading.Event(), threading.Event()
+
+    def resend_in_progress() -> None:
+        try:
+            with transaction.atomic():
+                WebhookDelivery.objects.select_for_update().get(pk=delivery.pk)
+                holding.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=resend_in_progress)
+    thread.start()
+    assert holding.wait(30)
+    try:
+        # when the worker's attempt comes meanwhile, it asks to be retried (it used to return,
+        # and the delivery stayed pending for ever)
+        with pytest.raises(webhooks.WebhookNotDelivered, match="in_progress"):
+            webhooks.webhook_delivery_attempt(delivery_id=delivery.id)
+    finally:
+        release.set()
+        thread.join(30)
+
+    # then nothing was posted or logged by it, and the retry delivers it once
+    assert receiver.posts == [] and not WebhookAttempt.objects.exists()
+    assert webhooks.webhook_delivery_attempt(delivery_id=delivery.id) == "delivered"
+    assert webhooks.webhook_delivery_attempt(delivery_id=delivery.id) == "already_delivered"
+    assert len(receiver.posts) == 1
