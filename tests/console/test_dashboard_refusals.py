@@ -29,7 +29,7 @@ def test_requests_refused_by_the_rpm_limit_show_on_the_dashboard_by_reason(
         live_gateway, client):  # noqa: F811
     # given an organization limited to 2 requests a minute, and another one
     org = OrganizationFactory()
-    key, secret = make_key(ProjectFactory(organization=org), scopes=["inference"])
+    _key, secret = make_key(ProjectFactory(organization=org), scopes=["inference"])
     limits.quota_limit_set(organization=org, rpm=2)
     other = OrganizationFactory()
     _other_key, other_secret = make_key(ProjectFactory(organization=other),
