@@ -12,8 +12,16 @@ worst-case reservation), against the real Redis at ``REDIS_URL``. Policies are b
    The admissions and settlements of one event-loop tick share script calls, as in the
    gateway. ``redis_script_us_per_decision`` is Redis's own time per admission + settlement
    (from ``INFO commandstats``): whether this process or Redis's one thread is the limit.
+3. the floor, in the same run: the same workers make one call per turn of a script that does
+   nothing (``NOOP_LUA``) through the same client stack (the pipelined connection and the
+   batcher: one EVALSHA per loop tick, as the decisions' calls), for as long as the decisions
+   run, taking turns with them. ``redis_floor_per_s`` is what a decision cannot beat on this
+   machine now; ``decisions_per_floor`` = decisions_per_s / redis_floor_per_s, the figure
+   that shared, noisy cores leave comparable. ``floor_p50_ms``/``floor_p99_ms`` are one
+   sequential no-op call's.
 
-Prints one JSON line: ``{"decisions_per_s", "p50_ms", "p99_ms", ...}``.
+Prints one JSON line: ``{"decisions_per_s", "redis_floor_per_s", "decisions_per_floor",
+"p50_ms", "p99_ms", ...}``.
 
     REDIS_URL=redis://127.0.0.1:6379/8 .venv/bin/python bench/admission.py
 """
@@ -55,10 +63,25 @@ def _policies(n_orgs: int):
     return out
 
 
+# The floor's script: it answers each operation of a batch and does nothing else. It is called
+# as the admission script is (one EVALSHA per batch of one loop tick, framed as STEP_LUA frames
+# its operations: the count, then per operation its kind, KEYS count and ARGV count).
+NOOP_LUA = r"""
+local out = {}
+for i = 1, tonumber(ARGV[1]) do out[i] = 1 end
+return out
+"""
+
+
 async def run(args: argparse.Namespace) -> dict:
+    from billing_platform.redis_conn import get_pipelined
     from plans import admission
+    from plans.admission.runtime import batcher_for
 
     policies = _policies(args.orgs)
+    # the no-op calls go through a batcher of their own on the decisions' connection
+    noop = batcher_for(get_pipelined(), NOOP_LUA)
+    noop_keys = [[p.rate_scopes[0][0]] for p in policies]  # one key: its slot routes the call
 
     async def one(i: int, *, settle: bool) -> float:
         policy = policies[i % len(policies)]
@@ -72,36 +95,63 @@ async def run(args: argparse.Namespace) -> dict:
                                     completion_tokens=150)
         return elapsed
 
+    async def floor_one(i: int, *, settle: bool = False) -> float:
+        t0 = time.perf_counter()
+        await noop.call("a", noop_keys[i % len(noop_keys)], [])
+        return time.perf_counter() - t0
+
+    def quantiles(samples: list[float]) -> tuple[float, float]:
+        samples.sort()
+        return (round(statistics.median(samples) * 1000, 3),
+                round(samples[int(len(samples) * 0.99) - 1] * 1000, 3))
+
     for i in range(200):  # warm up: scripts loaded, connections open
         await one(i, settle=True)
-    samples = [await one(i, settle=False) for i in range(args.latency_n)]
-    samples.sort()
+        await floor_one(i)
+    p50, p99 = quantiles([await one(i, settle=False) for i in range(args.latency_n)])
+    floor_p50, floor_p99 = quantiles([await floor_one(i) for i in range(args.latency_n)])
 
-    done = 0
-    deadline = time.perf_counter() + args.seconds
+    async def throughput(op, seconds: float) -> tuple[int, float]:
+        done = 0
+        deadline = time.perf_counter() + seconds
 
-    async def worker(w: int) -> None:
-        nonlocal done
-        i = w
-        while time.perf_counter() < deadline:
-            await one(i, settle=True)
-            done += 1
-            i += args.concurrency
+        async def worker(w: int) -> None:
+            nonlocal done
+            i = w
+            while time.perf_counter() < deadline:
+                await op(i, settle=True)
+                done += 1
+                i += args.concurrency
 
-    redis_before = await _script_usec()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
-    elapsed = time.perf_counter() - t0
-    redis_us = await _script_usec() - redis_before
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+        return done, time.perf_counter() - t0
+
+    # The floor and the decisions take turns (--rounds of each), so that the load other
+    # processes put on the shared cores falls on both alike.
+    done = floor_done = 0
+    elapsed = floor_elapsed = 0.0
+    redis_us = 0
+    for _round in range(args.rounds):
+        n, t = await throughput(floor_one, args.seconds / args.rounds)
+        floor_done, floor_elapsed = floor_done + n, floor_elapsed + t
+        redis_before = await _script_usec()
+        n, t = await throughput(one, args.seconds / args.rounds)
+        redis_us += await _script_usec() - redis_before
+        done, elapsed = done + n, elapsed + t
+    decisions_per_s = done / elapsed
+    floor_per_s = floor_done / floor_elapsed
     return {
-        "bench": "admission", "decisions_per_s": round(done / elapsed),
-        "p50_ms": round(statistics.median(samples) * 1000, 3),
-        "p99_ms": round(samples[int(len(samples) * 0.99) - 1] * 1000, 3),
+        "bench": "admission", "decisions_per_s": round(decisions_per_s),
+        "redis_floor_per_s": round(floor_per_s),
+        "decisions_per_floor": round(decisions_per_s / floor_per_s, 3),
+        "p50_ms": p50, "p99_ms": p99, "floor_p50_ms": floor_p50, "floor_p99_ms": floor_p99,
         "latency_n": args.latency_n, "throughput_decisions": done,
-        "concurrency": args.concurrency, "orgs": args.orgs,
+        "concurrency": args.concurrency, "orgs": args.orgs, "rounds": args.rounds,
         "checks_per_decision": "3 rpm + 2 tpm + 1 hard budget",
-        # Redis's own time in the scripts per decision (admission + settlement): the ceiling
-        # Redis's one thread puts on any number of gateway processes is 1e6 / this
+        # Redis's own time in EVALSHA per decision (admission + settlement; the Redis server
+        # is shared, so other clients' scripts count too): the ceiling Redis's one thread
+        # puts on any number of gateway processes is 1e6 / this
         "redis_script_us_per_decision": round(redis_us / max(done, 1), 1),
         "redis_busy_fraction": round(redis_us / 1e6 / elapsed, 2),
     }
@@ -132,6 +182,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--orgs", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="turns of floor and decisions the --seconds of each are split into")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")

@@ -167,8 +167,9 @@ class _Batcher:
     batcher serves one Redis server; on a Redis Cluster ``_SlotBatcher`` keeps one per slot.
     """
 
-    def __init__(self, connection: Pipelined) -> None:
+    def __init__(self, connection: Pipelined, source: str = scripts.STEP_LUA) -> None:
         self.connection = connection
+        self.source = source  # the script's Lua (bench/admission.py's floor runs a no-op)
         self.pending: list[_Op] = []
         self.scheduled = False
         self.flushing: set[asyncio.Task[None]] = set()
@@ -201,14 +202,14 @@ class _Batcher:
             all_keys += keys
             all_argv += [kind, len(keys), len(argv), *argv]
         if self.sha is None:
-            self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", self.source)
         results: list[Any]
         try:
             results = await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
         except NoScriptError:
             # Redis lost its script cache (a restart): nothing ran; load it and run again.
-            self.sha = await self.connection.execute("SCRIPT", "LOAD", scripts.STEP_LUA)
+            self.sha = await self.connection.execute("SCRIPT", "LOAD", self.source)
             results = await self.connection.execute(
                 "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
         return results
@@ -240,15 +241,16 @@ class _SlotBatcher:
     call's KEYS lie in one slot (an operation's keys are all of one organization, which share
     its hash tag) and go to that slot's master; the batches of one tick go out together."""
 
-    def __init__(self, connection: Pipelined) -> None:
+    def __init__(self, connection: Pipelined, source: str = scripts.STEP_LUA) -> None:
         self.connection = connection
+        self.source = source
         self.slots: dict[int, _Batcher] = {}
 
     async def call(self, kind: str, keys: list[str], argv: list[Arg]) -> Any:
         slot = key_slot(keys[0].encode())
         batcher = self.slots.get(slot)
         if batcher is None:
-            batcher = self.slots[slot] = _Batcher(self.connection)
+            batcher = self.slots[slot] = _Batcher(self.connection, self.source)
             # the script is loaded on every master: a slot's first batch need not load it
             batcher.sha = next((b.sha for b in self.slots.values() if b.sha), None)
         return await batcher.call(kind, keys, argv)
@@ -259,6 +261,15 @@ class _SlotBatcher:
 MAX_BATCH = 32
 _batchers: weakref.WeakKeyDictionary[Pipelined, _Batcher | _SlotBatcher] | None = None
 _last: tuple[asyncio.AbstractEventLoop, _Batcher | _SlotBatcher] | None = None
+
+
+def batcher_for(connection: Pipelined, source: str = scripts.STEP_LUA
+                ) -> _Batcher | _SlotBatcher:
+    """Return a new batcher of ``source`` (a script that frames its operations as STEP_LUA
+    does) on ``connection``: one per slot on a cluster."""
+    if isinstance(connection, ClusterPipelinedConnection):
+        return _SlotBatcher(connection, source)
+    return _Batcher(connection, source)
 
 
 def _batcher() -> _Batcher | _SlotBatcher:
@@ -272,9 +283,7 @@ def _batcher() -> _Batcher | _SlotBatcher:
     connection = get_pipelined()
     batcher = _batchers.get(connection)
     if batcher is None:
-        batcher = _batchers[connection] = (
-            _SlotBatcher(connection) if isinstance(connection, ClusterPipelinedConnection)
-            else _Batcher(connection))
+        batcher = _batchers[connection] = batcher_for(connection)
     _last = (loop, batcher)
     return batcher
 
