@@ -13,7 +13,14 @@ COPY, dedup, rating through ``plans.rating``, hourly rollups, XACK). Two phases:
    from this phase (the throughput phase's, which mostly measure the backlog, are reported as
    ``saturated_lag_*``).
 
-Prints one JSON line: ``{"events", "events_per_s", "lag_p50_s", "lag_p99_s", ...}``.
+Between the phases it measures the ceiling the consumer works against, in the same run: a plain
+``COPY`` of the rows the throughput phase recorded (same columns, same values) into an
+unindexed, unpartitioned table (``copy_limit_rows_per_s``, the best of text and binary format
+on one connection and text over ``--writers`` connections), and reports
+``events_per_copy_limit`` = ``events_per_s`` / ``copy_limit_rows_per_s``.
+
+Prints one JSON line: ``{"events", "events_per_s", "copy_limit_rows_per_s",
+"events_per_copy_limit", "lag_p50_s", "lag_p99_s", ...}``.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tollgate_bench REDIS_URL=redis://... \\
         .venv/bin/python bench/ingest.py --events 1000000
@@ -36,6 +43,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -187,6 +195,117 @@ def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: 
     }
 
 
+COPY_LIMIT_TABLE = "bench_copy_limit"
+COPY_CHUNK = 1 << 20  # bytes per write, as large as a consumer's batch write
+
+
+def _lines_chunked(blob: bytes) -> list[bytes]:
+    """Cut COPY text into chunks of about ``COPY_CHUNK`` bytes, each ending at a row's end."""
+    chunks, start = [], 0
+    while start < len(blob):
+        end = blob.find(b"\n", start + COPY_CHUNK)
+        end = len(blob) if end < 0 else end + 1
+        chunks.append(blob[start:end])
+        start = end
+    return chunks
+
+
+def _copy_limit(org_ids: list[int], *, connections: int) -> dict:
+    """Time a plain COPY of the run's rows into an unindexed table: the ceiling of ingest.
+
+    The rows are the ones the throughput phase recorded, read back from ``usage_event`` with
+    the columns the consumer COPYs (``metering.recording.EVENT_COLUMNS``), so values, widths
+    and types are the same. The target is an ordinary (logged) table made ``LIKE usage_event``
+    with its defaults and identity (``id`` and ``recorded_at`` are computed per row as
+    there) but no index, no partitioning and no check constraint: what is left is PostgreSQL
+    parsing and writing the rows. Each try is one COPY per connection and its commit, timed
+    from the first byte sent to the last commit, with the data already in memory: text format
+    (what the consumer sends today) and binary format on one connection, and binary split over
+    ``connections`` concurrent connections (as many as the consumer writes with). The limit
+    is the best of them, so the ratio never flatters the consumer.
+    """
+    import threading
+
+    from django.db import connection
+
+    from metering.recording import EVENT_COLUMNS
+
+    columns = ", ".join(EVENT_COLUMNS)
+    connection.ensure_connection()
+    pg = connection.connection
+    select = (f"COPY (SELECT {columns} FROM usage_event "  # noqa: S608
+              "WHERE organization_id = ANY(%s) AND id %% %s = %s) TO STDOUT")
+
+    def export(fmt: str, n: int) -> list[list[bytes]]:
+        """Return the rows in ``fmt``, as ``n`` shares (by id) of about 1 MiB chunks."""
+        shares = []
+        for i in range(n):
+            buf = bytearray()
+            with pg.cursor() as cur, cur.copy(select + f" (FORMAT {fmt})",
+                                              (org_ids, n, i)) as copy:
+                for data in copy:
+                    buf += data
+            # binary is one stream (header, rows, trailer): cut anywhere; text ends in rows
+            shares.append([bytes(buf[j:j + COPY_CHUNK]) for j in range(0, len(buf), COPY_CHUNK)]
+                          if fmt == "binary" else _lines_chunked(bytes(buf)))
+        pg.commit()
+        return shares
+
+    from psycopg import connect
+
+    dsn = pg.info.dsn
+    password = pg.info.password
+    extra = {"password": password} if password else {}
+
+    def copy_in(conn: Any, parts: list[bytes], fmt: str) -> None:
+        with conn.cursor() as cur, cur.copy(f"COPY {COPY_LIMIT_TABLE} ({columns}) FROM STDIN "
+                                            f"(FORMAT {fmt})") as copy:
+            for part in parts:
+                copy.write(part)
+        conn.commit()
+
+    def timed(fmt: str, n: int) -> float:
+        shares = export(fmt, n)
+        conns = [connect(dsn, **extra) for _ in range(n)]
+        try:
+            with conns[0].cursor() as cur:
+                cur.execute(f"DROP TABLE IF EXISTS {COPY_LIMIT_TABLE}")
+                cur.execute(f"CREATE TABLE {COPY_LIMIT_TABLE} (LIKE usage_event "
+                            "INCLUDING DEFAULTS INCLUDING IDENTITY)")
+            conns[0].commit()
+            threads = [threading.Thread(target=copy_in, args=(c, share, fmt))
+                       for c, share in zip(conns, shares, strict=True)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.perf_counter() - start
+            with conns[0].cursor() as cur:
+                cur.execute(f"SELECT count(*) FROM {COPY_LIMIT_TABLE}")  # noqa: S608
+                copied = cur.fetchone()[0]
+                cur.execute(f"DROP TABLE {COPY_LIMIT_TABLE}")
+            conns[0].commit()
+            if copied != rows:
+                raise RuntimeError(f"copy limit: {copied} rows copied, {rows} expected")
+            return elapsed
+        finally:
+            for c in conns:
+                c.close()
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM usage_event WHERE organization_id = ANY(%s)",
+                    [org_ids])
+        rows = cur.fetchone()[0]
+    tries = {"text_x1": timed("text", 1), "binary_x1": timed("binary", 1)}
+    if connections > 1:
+        tries[f"binary_x{connections}"] = timed("binary", connections)
+    per_s = {name: round(rows / s) for name, s in tries.items()}
+    best = max(per_s, key=lambda k: per_s[k])
+    return {"copy_limit_rows_per_s": per_s[best], "copy_limit_method": best,
+            "copy_limit_rows": rows, "copy_limit_tries": per_s}
+
+
 def bench(args: argparse.Namespace) -> dict:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
     import django
@@ -211,6 +330,8 @@ def bench(args: argparse.Namespace) -> dict:
 
     # 1. throughput: the whole run offered as fast as the producer can (or at --rate)
     load = _phase(args, events=args.events, rate=args.rate, run=f"{run}a", keys=keys)
+    # the ceiling, right after: a plain COPY of the rows just recorded
+    limit = _copy_limit(org_ids, connections=args.writers)
     # 2. lag: events offered at a steady rate below the throughput, as a gateway would
     lag_rate = args.lag_rate or int((load["events_per_s"] or 1000) * 0.8)
     lag = (_phase(args, events=args.lag_events, rate=lag_rate, run=f"{run}b", keys=keys)
@@ -227,6 +348,9 @@ def bench(args: argparse.Namespace) -> dict:
     return {
         "events": load["events"],
         "events_per_s": load["events_per_s"],
+        "copy_limit_rows_per_s": limit["copy_limit_rows_per_s"],
+        "events_per_copy_limit": (round(load["events_per_s"] / limit["copy_limit_rows_per_s"], 3)
+                                  if load["events_per_s"] else None),
         "lag_p50_s": lag["lag_p50_s"],
         "lag_p99_s": lag["lag_p99_s"],
         "lag_max_s": lag["lag_max_s"],
@@ -235,6 +359,8 @@ def bench(args: argparse.Namespace) -> dict:
         "saturated_lag_p50_s": load["lag_p50_s"],
         "saturated_lag_p99_s": load["lag_p99_s"],
         "duration_s": load["duration_s"],
+        "copy_limit_method": limit["copy_limit_method"],
+        "copy_limit_tries": limit["copy_limit_tries"],
         "producer_events_per_s": load["producer_events_per_s"],
         "batches": load["batches"],
         "batch_size": args.batch_size or conf.batch_size(),
