@@ -10,13 +10,17 @@ off the request path. A field older than ``STALE_S`` is ignored (its process sto
 idle) and removed a while later.
 
 Placements travel faster than loads: a conversation's next turn may follow its previous one
-within milliseconds, through another process. So each placement (a routed prompt's deepest
-prefix block and its engine) is published at once, batched per event-loop turn, to the stream
-``<KEY>:routes``, and every busy process keeps a blocking ``XREAD`` on it that hands the
-others' placements to its router (``Router.observe_routes``) as they arrive: the next turn
-goes where the previous one is cached, whichever process placed it. The stream is capped
-(``ROUTES_MAXLEN`` entries, one per published batch); a process that starts reading reads the
-last ``ROUTES_WARM_S`` of it first.
+within milliseconds, through another process. So each placement (blocks of a routed prompt:
+the deepest and those at depths 2**k, ``router.published_blocks``, and its engine) is
+published at once, batched per event-loop turn, two ways: as keys ``{<KEY>}:at:<block>`` that
+live ``ROUTES_WARM_S``, which a process looks up for a prompt before routing it (``lookup``:
+one ``MGET`` of the prompt's blocks, the request's only Redis round trip for routing, made only
+while other processes share the key), and on the stream ``<KEY>:routes``, which every busy
+process reads with a blocking ``XREAD`` into its router (``Router.observe_routes``) between
+requests. The lookup is what makes the next turn go where the previous one is cached whichever
+process placed it: a stream entry can reach a process busy on its other requests later than
+the conversation's next turn does. The stream is capped (``ROUTES_MAXLEN`` entries, one per
+published batch); a process that starts reading reads the last ``ROUTES_WARM_S`` of it first.
 
 Redis unreachable: the process routes on its own counts (the single-process behaviour) until
 Redis answers again; the failure is logged once per outage, and no request waits or fails for
@@ -38,7 +42,7 @@ from collections.abc import Callable
 import redis.asyncio as aredis
 import redis.exceptions
 
-from engine_adapter.router import Router
+from engine_adapter.router import Router, prefix_blocks
 
 KEY = "tg:router:inflight"
 STALE_S = 1.0  # a field not rewritten for this long is no longer counted
@@ -48,6 +52,7 @@ ROUTES_MAXLEN = 20000  # entries of the placements stream (each one published ba
 ROUTES_WARM_S = 60.0  # a process (re)starting its reader reads this much of the stream first
 ROUTES_READ = 1000  # entries taken per read at most
 ROUTES_BLOCK_MS = 500  # how long one blocking read waits for placements
+LOOKUP_TIMEOUT_S = 0.05  # a placement lookup slower than this is given up (a hint, not a wait)
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +81,7 @@ class LoadShare:
         self._publisher: asyncio.Task | None = None
         self._active_at = 0.0
         self._failing = False
+        self._peers = False  # the last exchange saw another process
         router.on_route = self._route_noted
 
     def note_activity(self) -> None:
@@ -109,9 +115,39 @@ class LoadShare:
                     pipe.xadd(self.routes_key, {"p": self.field, "r": payload},
                               maxlen=ROUTES_MAXLEN, approximate=True)
                     pipe.pexpire(self.routes_key, int(ROUTES_WARM_S * 1000))
+                    # the last placement of a block wins: where that prefix was sent last
+                    placed = dict(routed)
+                    pipe.mset({self._placed_key(block): engine_id
+                               for block, engine_id in placed.items()})
+                    for block in placed:
+                        pipe.pexpire(self._placed_key(block), int(ROUTES_WARM_S * 1000))
                     await pipe.execute()
             except (redis.exceptions.RedisError, OSError):
                 return  # placements are hints: lost ones cost cache hits, never a request
+
+    def _placed_key(self, block: bytes) -> str:
+        # one hash tag: a lookup's MGET names keys of one slot on a Redis Cluster too
+        return f"{{{self.key}}}:at:{block.hex()}"
+
+    async def lookup(self, *, namespace: str, prompt: str) -> None:
+        """Before routing a prompt, take where the other processes placed its prefixes.
+
+        One ``MGET`` of the prompt's blocks (``Router.observe_routes`` gets what it finds).
+        Only while other processes share the key: a process alone knows its own placements.
+        Redis failing or slower than ``LOOKUP_TIMEOUT_S`` costs the hint, never the request.
+        """
+        if self.interval <= 0 or not self._peers or self.router.policy != "cache_aware":
+            return
+        blocks = prefix_blocks(namespace, prompt)
+        if not blocks:
+            return
+        try:
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+                engines = await self._client().mget([self._placed_key(b) for b in blocks])
+        except (redis.exceptions.RedisError, OSError, TimeoutError):
+            return
+        self.router.observe_routes((block, engine_id) for block, engine_id
+                                   in zip(blocks, engines, strict=True) if engine_id)
 
     async def _read_routes(self) -> None:
         # its own connection: a blocking read would hold up the exchange's commands
@@ -152,7 +188,8 @@ class LoadShare:
     async def exchange(self) -> None:
         """Publish this process's counts and take the others' into the router."""
         now = self.clock()
-        mine = json.dumps({"t": now, "n": self.router.inflight_counts()})
+        mine = json.dumps({"t": now, "n": self.router.inflight_counts(),
+                           "r": self.router.routed_rates()})
         try:
             async with self._client().pipeline(transaction=False) as pipe:
                 pipe.hset(self.key, self.field, mine)
@@ -165,11 +202,13 @@ class LoadShare:
                             "own in-flight counts until it answers", exc)
                 self._failing = True
             self.router.observe_peers({})
+            self._peers = False
             return
         if self._failing:
             log.warning("router load share: Redis answers again")
             self._failing = False
         peers: dict[str, int] = {}
+        rates: dict[str, float] = {}
         forgotten = []
         for field, raw in fields.items():
             if field == self.field:
@@ -178,7 +217,8 @@ class LoadShare:
                 entry = json.loads(raw)
                 age = now - float(entry["t"])
                 counts = entry["n"]
-            except (ValueError, KeyError, TypeError):
+                routed = entry.get("r") or {}
+            except (ValueError, KeyError, TypeError, AttributeError):
                 forgotten.append(field)
                 continue
             if age > FORGET_S:
@@ -186,7 +226,11 @@ class LoadShare:
             elif age <= STALE_S:
                 for engine_id, n in counts.items():
                     peers[engine_id] = peers.get(engine_id, 0) + int(n)
-        self.router.observe_peers(peers)
+                for engine_id, v in routed.items():
+                    rates[engine_id] = rates.get(engine_id, 0.0) + float(v)
+        # another process counts while it is not stale, even with nothing in flight
+        self._peers = any(field != self.field and field not in forgotten for field in fields)
+        self.router.observe_peers(peers, rates)
         if forgotten:
             # a failure here is harmless: the next exchange tries again
             with contextlib.suppress(redis.exceptions.RedisError, OSError):

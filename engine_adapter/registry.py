@@ -63,6 +63,13 @@ class Fleet:
         self._refreshed = started
         FLEET_VIEW_REFRESHED.set(time.time())
 
+    async def aroute_lookup(self, *, namespace: str, prompt_text: str) -> None:
+        """Before a prompt is routed, take where the other gateway processes placed its
+        prefixes (``LoadShare.lookup``: one Redis round trip, only while other processes
+        share the view), so its engine is the same whichever process it reached."""
+        if self.share is not None:
+            await self.share.lookup(namespace=namespace, prompt=prompt_text)
+
     def regions_in_zone(self, zone: str) -> set[str] | None:
         """Return the regions a data zone may run in; None for ``global`` (every region)."""
         return None if zone == "global" else self.zones.get(zone, set())

@@ -5,16 +5,28 @@ Policies:
 - ``cache_aware`` (default). Each engine gets an approximate prefix index: the prompt is cut
   into fixed-size character blocks, and each block is identified by a hash chained over the
   blocks before it *and the tenant's cache namespace*, so a match is a true shared prefix and no
-  tenant is ever routed for another tenant's cache. The engine with the longest match wins,
-  unless its load is over ``bound`` times the pool's mean (bounded-load, as in consistent hashing
-  with bounded loads); then the best match among engines under the bound wins, and with no match
-  anywhere the least-loaded engine does. This keeps hit rate near the workload's maximum while
-  one engine never takes the whole pool. ``bound`` 1.5 is where bench/routing.py measured
-  >= 95 % of the workload's possible hit rate at max/mean load ~1.1 (1.25: 94.7 %, 2.0: 1.29).
-  A prompt no engine's index matches goes where rendezvous hashing of its first block (the
-  tenant and the start of its prompt) ranks the engines, the first under the bound: every
-  gateway process ranks alike, so a prefix that one process sent to an engine is sent there by
-  the others too, though their indexes never saw it (see "Many processes" below).
+  tenant is ever routed for another tenant's cache. Two load bounds, as in consistent hashing
+  with bounded loads:
+
+  * in flight (``bound``, 2.0; on a pool of two engines 1.5): an engine with more than
+    ``bound`` times the pool's mean in-flight requests takes nothing new, whatever it holds:
+    the latency guard;
+  * requests routed (``rate_bound``, 1.1): each engine's count of requests routed to it,
+    decayed with a ``RATE_HALF_LIFE_S`` half-life. The engine with the longest match wins
+    among those under ``rate_bound`` times the mean count, unless an engine over it matches
+    ``STAY_BLOCKS`` more: a request only moves when moving is cheap. What moves are the new
+    conversations of a large tenant, whose system prompt other engines hold too; what stays is
+    a small tenant's only copy and a conversation's history.
+
+  An in-flight bound alone spilled on momentary peaks (an engine at 7 in flight against a mean
+  of 4), each spill a cold copy of some tenant's prompt elsewhere, and still left the request
+  totals at max/mean 1.2-1.27: bench/routing.py measured 95.5-96 % of the workload's possible
+  hit rate that way, and 96-98 % at 1.11-1.19 with both bounds (the rest is mostly requests
+  that arrive while the first of their prefix is still in prefill, a miss on any engine).
+  A prompt no engine matches goes where rendezvous hashing of its first block (the tenant and
+  the start of its prompt) ranks the engines, the first under the bounds: every gateway
+  process ranks alike, so a prefix that one process sent to an engine is sent there by the
+  others too, though their indexes never saw it (see "Many processes" below).
 - ``least_load``: fewest in-flight + queued requests.
 - ``round_robin``.
 
@@ -24,12 +36,13 @@ the fleet registry; loads are the router's own in-flight counts, the other gatew
 
 Many processes. Each gateway process has its own router, prefix indexes and in-flight counts.
 Three things keep N processes routing as one would: the rendezvous fallback (above), which makes
-a new prefix's engine a function of the prefix and the engine set alone; the load bound
-computed on every process's in-flight requests; and the other processes' recent placements
-(``observe_routes``: the deepest block of each prompt they routed and its engine), so the next
-turn of a conversation another process placed, spilled by the bound or not, goes where its
-previous turn is cached. ``engine_adapter.load_share`` exchanges both through Redis every
-``TOLLGATE_ROUTER_SHARE_S``. bench/routing.py ``--processes`` measures the hit rate of the same
+a new prefix's engine a function of the prefix and the engine set alone; the load bounds
+computed on every process's in-flight and routed requests (``observe_peers``); and the other
+processes' placements (``observe_routes``: blocks of each prompt they routed, the deepest among
+them, and the engine), so the next turn of a conversation another process placed, moved by a
+bound or not, goes where its previous turn is cached. ``engine_adapter.load_share`` exchanges
+the loads through Redis every ``TOLLGATE_ROUTER_SHARE_S`` and looks a prompt's placements up
+before it is routed. bench/routing.py ``--processes`` measures the hit rate of the same
 workload through N routers against one.
 
 What is offered where (the fleet spec's pools) is known apart from which engines run: a model
@@ -44,6 +57,7 @@ import hashlib
 import itertools
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +65,9 @@ from dataclasses import dataclass
 from engine_adapter.types import EngineInfo, EngineLoad, ModelNotServed, ModelTraits, NoCapacity
 
 BLOCK_CHARS = 64  # ~16 tokens per block: fine enough for system prompts, cheap to hash
-PEER_HINTS = 65536  # the other processes' placements remembered (deepest block -> engine)
+PEER_HINTS = 65536  # the other processes' placements remembered (block -> engine)
+RATE_HALF_LIFE_S = 30.0  # requests routed to an engine count half after this long
+STAY_BLOCKS = 8  # blocks (~128 tokens) of match a request keeps over the rate bound
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
@@ -66,6 +82,18 @@ def prefix_blocks(namespace: str, text: str, *, limit: int = 512) -> list[bytes]
         digest = hashlib.blake2b(digest + chunk.encode(), digest_size=16).digest()
         blocks.append(digest)
     return blocks
+
+
+def published_blocks(blocks: Sequence[bytes]) -> list[bytes]:
+    """Return the blocks of a routed prompt whose placement is told to the other processes:
+    the deepest (the next turn of its conversation extends it) and those at depths 2**k (a
+    shared system prompt of any length is found at most half its length short)."""
+    depths = {len(blocks)}
+    depth = 1
+    while depth < len(blocks):
+        depths.add(depth)
+        depth *= 2
+    return [blocks[d - 1] for d in sorted(depths, reverse=True)]
 
 
 def _rendezvous(block: bytes, engine_id: str) -> bytes:
@@ -108,11 +136,14 @@ class Router:
     """Route requests over a set of engines with one of ``POLICIES``."""
 
     def __init__(self, engines: Iterable[EngineInfo] = (), *, policy: str = "cache_aware",
-                 bound: float = 1.5) -> None:
+                 bound: float = 2.0, rate_bound: float = 1.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
         self.policy = policy
         self.bound = bound
+        self.rate_bound = rate_bound
+        self.clock = clock
         self._lock = threading.Lock()
         self._engines: dict[str, EngineInfo] = {}
         self._offered: dict[str, set[str]] = {}  # model -> regions it is offered in
@@ -120,7 +151,9 @@ class Router:
         self._healthy: set[str] = set()
         self._inflight: dict[str, int] = {}
         self._peer_inflight: dict[str, int] = {}  # the other processes', from load_share
-        self._assigned: dict[str, int] = {}  # requests routed so far: the tie-breaker
+        # requests routed per engine, decayed (count, when): this process's and the others'
+        self._rate: dict[str, tuple[float, float]] = {}
+        self._peer_rate: dict[str, float] = {}
         self._scraped: dict[str, EngineLoad] = {}
         self._index: dict[str, PrefixIndex] = {}
         # placements to tell the other processes (drained by load_share), and theirs
@@ -163,15 +196,33 @@ class Router:
         with self._lock:
             self._scraped[engine_id] = load
 
-    def observe_peers(self, inflight: Mapping[str, int]) -> None:
-        """Take the other gateway processes' in-flight requests per engine (replacing the
-        last view; an empty mapping when there are none or their view is lost)."""
+    def observe_peers(self, inflight: Mapping[str, int],
+                      routed: Mapping[str, float] | None = None) -> None:
+        """Take the other gateway processes' in-flight requests per engine and their decayed
+        counts of requests routed (``routed_rates``), replacing the last view (empty mappings
+        when there are none or their view is lost)."""
         with self._lock:
             self._peer_inflight = dict(inflight)
+            self._peer_rate = dict(routed or {})
+
+    def routed_rates(self) -> dict[str, float]:
+        """Return this process's decayed count of requests routed per engine (for the others)."""
+        with self._lock:
+            now = self.clock()
+            rates = {engine_id: self._decayed(engine_id, now) for engine_id in self._rate}
+        return {engine_id: round(v, 3) for engine_id, v in rates.items() if v >= 0.001}
+
+    def _decayed(self, engine_id: str, now: float) -> float:
+        count, at = self._rate.get(engine_id, (0.0, now))
+        return count * 0.5 ** ((now - at) / RATE_HALF_LIFE_S)
+
+    def rate(self, engine_id: str) -> float:
+        """Return the engine's decayed count of requests routed, by every process."""
+        return self._decayed(engine_id, self.clock()) + self._peer_rate.get(engine_id, 0.0)
 
     def observe_routes(self, routes: Iterable[tuple[bytes, str]]) -> None:
-        """Take placements the other gateway processes made: (a prompt's deepest block, the
-        engine it went to). Remembered LRU, up to ``PEER_HINTS``."""
+        """Take placements the other gateway processes made: (a block of a prompt they
+        routed, the engine it went to). Remembered LRU, up to ``PEER_HINTS``."""
         with self._lock:
             hints = self._peer_routes
             for block, engine_id in routes:
@@ -252,11 +303,13 @@ class Router:
                 raise NoCapacity(f"Every engine for {model!r} in the allowed regions failed.")
             blocks = prefix_blocks(namespace, prompt) if self.policy == "cache_aware" else []
             engine, matched = self._pick(pool, blocks)
-            self._inflight[engine.engine_id] = self._inflight.get(engine.engine_id, 0) + 1
-            self._assigned[engine.engine_id] = self._assigned.get(engine.engine_id, 0) + 1
+            engine_id = engine.engine_id
+            self._inflight[engine_id] = self._inflight.get(engine_id, 0) + 1
+            now = self.clock()
+            self._rate[engine_id] = (self._decayed(engine_id, now) + 1, now)
             if blocks:
-                self._index[engine.engine_id].insert(blocks)
-                self._routed.append((blocks[-1], engine.engine_id))
+                self._index[engine_id].insert(blocks)
+                self._routed.extend((block, engine_id) for block in published_blocks(blocks))
         if blocks and self.on_route is not None:
             self.on_route()
         return Decision(engine, matched, self.policy)
@@ -265,37 +318,43 @@ class Router:
         if self.policy == "round_robin":
             return pool[next(self._rr) % len(pool)], 0
         loads = {e.engine_id: self.load(e.engine_id) for e in pool}
-        # Ties (an idle pool) go to the engine that has been given the least work so far, so
+        rates = {e.engine_id: self.rate(e.engine_id) for e in pool}
+        # Ties (an idle pool) go to the engine that has been given the least work lately, so
         # sequential traffic of many tenants spreads instead of piling onto the first engine.
-        least = min(pool, key=lambda e: (loads[e.engine_id],
-                                         self._assigned.get(e.engine_id, 0), e.engine_id))
+        least = min(pool, key=lambda e: (loads[e.engine_id], rates[e.engine_id], e.engine_id))
         if self.policy == "least_load" or not blocks:
             return least, 0
-        # Bounded load: an engine may take a request only while under bound x mean (+1 so an
-        # idle pool still admits affinity).
-        cap = math.ceil(self.bound * (sum(loads.values()) + 1) / len(pool))
-        best, best_match = least, 0
-        for e in pool:
-            if loads[e.engine_id] + 1 > cap:
-                continue
-            m = self._index[e.engine_id].match(blocks)
-            if m > best_match or (m == best_match and m > 0
-                                  and loads[e.engine_id] < loads[best.engine_id]):
-                best, best_match = e, m
-        if best_match < len(blocks) and self._peer_routes:
+        # +1 in both bounds so an idle pool still admits affinity; a bound of n x mean on n
+        # engines is none at all, so a small pool's is halfway (two engines: 1.5)
+        bound = min(self.bound, (1 + len(pool)) / 2)
+        cap = math.ceil(bound * (sum(loads.values()) + 1) / len(pool))
+        ok = [e for e in pool if loads[e.engine_id] + 1 <= cap]
+        if not ok:
+            return least, 0
+        matched = {e.engine_id: self._index[e.engine_id].match(blocks) for e in ok}
+        if self._peer_routes:
             # another process may have placed a longer prefix of this prompt (the previous
             # turn of a conversation it served): deepest first, blocks are chained hashes
-            under = {e.engine_id: e for e in pool if loads[e.engine_id] + 1 <= cap}
-            for depth in range(len(blocks), best_match, -1):
+            for depth in range(len(blocks), 0, -1):
                 engine_id = self._peer_routes.get(blocks[depth - 1])
-                if engine_id in under:
-                    return under[engine_id], depth
-        if best_match == 0:  # a prefix new to this process: where every process sends it
-            for e in sorted(pool, key=lambda e: _rendezvous(blocks[0], e.engine_id),
-                            reverse=True):
-                if loads[e.engine_id] + 1 <= cap:
-                    return e, 0
-        return best, best_match
+                if engine_id in matched:
+                    matched[engine_id] = max(matched[engine_id], depth)
+                    break
+        rate_cap = self.rate_bound * (sum(rates.values()) + 1) / len(pool)
+        under = [e for e in ok if rates[e.engine_id] + 1 <= rate_cap]
+
+        def best_of(engines: list[EngineInfo]) -> EngineInfo:
+            return max(engines, key=lambda e: (matched[e.engine_id], -rates[e.engine_id],
+                                               -loads[e.engine_id], e.engine_id))
+
+        best = best_of(ok)
+        if under:
+            best_under = best_of(under)
+            if matched[best.engine_id] - matched[best_under.engine_id] < STAY_BLOCKS:
+                best = best_under
+        if matched[best.engine_id] == 0:  # a prefix new to this process: where all send it
+            best = max(under or ok, key=lambda e: _rendezvous(blocks[0], e.engine_id))
+        return best, matched[best.engine_id]
 
     def release(self, engine_id: str) -> None:
         """The request on ``engine_id`` finished (in any way)."""

@@ -27,12 +27,20 @@ def _engines(n: int) -> list[EngineInfo]:
 
 
 def test_a_new_prefix_goes_to_the_same_engine_from_every_process():
-    # given four processes' routers, each with a history of its own (other tenants' traffic)
+    # given four processes' routers, each with a history of its own (other tenants' traffic),
+    # and each with the others' counts of requests routed, as load_share exchanges them
     routers = [Router(_engines(8)) for _ in range(4)]
     for i, r in enumerate(routers):
         for n in range(i * 3):
             r.release(r.choose(model="m", namespace=f"other-{i}-{n}", prompt=SYSTEM
                                ).engine.engine_id)
+    rates = [r.routed_rates() for r in routers]
+    for i, r in enumerate(routers):
+        peers: dict[str, float] = {}
+        for j, theirs in enumerate(rates):
+            for engine_id, v in theirs.items():
+                peers[engine_id] = peers.get(engine_id, 0.0) + v * (j != i)
+        r.observe_peers({}, peers)
     for tenant in range(30):
         prompt = f"tenant {tenant}: " + SYSTEM
         # when each process routes the same tenant's prompt, never having seen it
@@ -69,7 +77,8 @@ def test_other_processes_in_flight_requests_count_towards_the_bound():
 def share_key() -> str:
     key = f"tg:router:test:{uuid.uuid4().hex[:8]}"
     yield key
-    redis.Redis.from_url(settings.REDIS_URL).delete(key, f"{key}:routes")
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete(key, f"{key}:routes", *client.scan_iter(f"{{{key}}}:at:*"))
 
 
 def test_processes_exchange_in_flight_counts_through_redis(share_key):
@@ -81,20 +90,21 @@ def test_processes_exchange_in_flight_counts_through_redis(share_key):
     r.hset(share_key, "gone:0", json.dumps({"t": 0, "n": {"e1": 50}}))
 
     async def scenario() -> None:
-        # when A holds three requests on e0 and both exchange
+        # when A holds three requests on one engine and both exchange
         for _ in range(3):
-            a.choose(model="m", namespace="org", prompt=SYSTEM)
-        held = next(iter(a.inflight_counts()))
+            a.choose(model="m", namespace="org", prompt=SYSTEM, exclude={"e1"})
         await share_a.exchange()
         await share_b.exchange()
         # then B counts A's three requests on that engine, and not the silent process's 50
-        assert b.load(held) == 3 and b.load("e1" if held == "e0" else "e0") == 0
+        assert b.load("e0") == 3 and b.load("e1") == 0
+        # and the requests A routed there count towards B's rate bound too
+        assert b.rate("e0") == pytest.approx(3, abs=0.01) and b.rate("e1") == 0
         # and when A's requests end, B sees it at the next exchange
         for _ in range(3):
-            a.release(held)
+            a.release("e0")
         await share_a.exchange()
         await share_b.exchange()
-        assert b.load(held) == 0
+        assert b.load("e0") == 0
 
     asyncio.run(scenario())
     assert "gone:0" not in r.hgetall(share_key)  # forgotten, not only ignored
@@ -130,6 +140,54 @@ def test_the_next_turn_goes_where_another_process_placed_the_previous_one(share_
 
     # then B sends it where turn 1 is cached, not where its own index has the system prompt
     assert asyncio.run(scenario()) != first
+
+
+def test_a_lookup_before_routing_finds_the_previous_turn_placed_by_another_process(share_key):
+    # given process B, whose own index has the tenant's system prompt on one engine, and which
+    # reads no placements stream (a process too busy to have read it yet)
+    a, b = Router(_engines(3)), Router(_engines(3))
+    share_a = LoadShare(a, settings.REDIS_URL, key=share_key)
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key)
+    first = b.choose(model="m", namespace="org", prompt=SYSTEM + "<user>Hello\n").engine.engine_id
+    b.release(first)
+    turn_1 = SYSTEM + "<user>Why was I charged twice for the same batch job last month?\n"
+    turn_2 = turn_1 + "<assistant>The batch was retried once.\n<user>Refund the second one.\n"
+
+    async def scenario() -> tuple[str, str, int]:
+        # and process A, which placed the conversation's first turn on another engine
+        placed = a.choose(model="m", namespace="org", prompt=turn_1,
+                          exclude={first}).engine.engine_id
+        a.release(placed)
+        await share_a._publish_routes()
+        await share_a.exchange()
+        await share_b.exchange()  # B learns that another process shares the key
+        hints_before = b.routed_hints()
+        # when B looks the second turn's prompt up before routing it
+        await share_b.lookup(namespace="org", prompt=turn_2)
+        assert b.routed_hints() > hints_before
+        return placed, b.choose(model="m", namespace="org", prompt=turn_2).engine.engine_id, \
+            hints_before
+
+    placed, chosen, hints_before = asyncio.run(scenario())
+    # then B sends it where turn 1 is cached, though no placement reached it any other way
+    assert hints_before == 0
+    assert chosen == placed != first
+
+
+def test_a_process_alone_makes_no_lookup(share_key):
+    # given one process and a placement of its own in Redis
+    a = Router(_engines(2))
+    share = LoadShare(a, settings.REDIS_URL, key=share_key)
+
+    async def scenario() -> int:
+        a.release(a.choose(model="m", namespace="org", prompt=SYSTEM).engine.engine_id)
+        await share._publish_routes()
+        await share.exchange()  # nobody else shares the key
+        await share.lookup(namespace="org", prompt=SYSTEM + "more")
+        return a.routed_hints()
+
+    # then it did not ask Redis (its own index knows its placements)
+    assert asyncio.run(scenario()) == 0
 
 
 def test_a_field_older_than_stale_is_not_counted(share_key):

@@ -10,6 +10,7 @@ from engine_adapter.router import Router
 from engine_adapter.types import EngineInfo, ModelNotServed, NoCapacity
 
 SYSTEM = "You are a careful assistant for the Acme knowledge base. " * 8
+LONG = SYSTEM * 2  # 14 blocks: more than STAY_BLOCKS
 
 
 def _engines(n: int, *, region: str = "us-east", model: str = "m") -> list[EngineInfo]:
@@ -104,3 +105,25 @@ def test_least_load_and_round_robin():
     assert a != b
     with pytest.raises(ValueError, match="unknown routing policy"):
         Router(policy="random")
+
+
+def test_a_new_conversation_moves_off_a_busy_engine_only_where_its_prefix_is_cached():
+    # given a tenant whose system prompt both engines hold, the first of them given many more
+    # requests lately (all finished: no in-flight bound applies)
+    router = Router(_engines(3), rate_bound=1.1)
+    first, second, third = (e.engine_id for e in _engines(3))
+    for n in range(12):
+        router.release(router.choose(model="m", namespace="org-big", prompt=LONG + f"q{n}",
+                                     exclude={second, third}).engine.engine_id)
+    router.release(router.choose(model="m", namespace="org-big", prompt=LONG + "first",
+                                 exclude={first, third}).engine.engine_id)
+    # and a small tenant whose one copy of its prompt is on the busy engine
+    router.release(router.choose(model="m", namespace="org-small", prompt=LONG + "hello",
+                                 exclude={second, third}).engine.engine_id)
+    # when each starts a new conversation
+    big = router.choose(model="m", namespace="org-big", prompt=LONG + "new question")
+    small = router.choose(model="m", namespace="org-small", prompt=LONG + "new question")
+    # then the large tenant's goes to the other engine holding its prompt (nothing lost), and
+    # the small tenant's stays where its only copy is (moving would lose the whole prompt)
+    assert big.engine.engine_id == second and big.matched_blocks >= len(LONG) // 64
+    assert small.engine.engine_id == first
