@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -26,10 +27,11 @@ STATUSES = frozenset(EventStatus.values)
 ORIGINS = frozenset(EventSource.values)
 MAX_ID = 128  # an id as its issuer wrote it (a platform request id, a caller's event id)
 # Each source has its own id space. The platform issues its ids itself (gateway requests,
-# batch lines): "req_" and 128 bits from the OS's CSPRNG, so nobody can guess one before it
-# is used. Ids reported through the usage API are the caller's own and are stored under
-# EXTERNAL_PREFIX, so no external event can ever take the key of a platform event, however
-# it spells its id (see ``normalize``).
+# batch lines): "req_", the issue time and 80 bits from the OS's CSPRNG, so nobody can guess
+# one before it is used (ids issued before time-ordering, all 128 bits random, keep the form).
+# Ids reported through the usage API are the caller's own and are stored under EXTERNAL_PREFIX,
+# so no external event can ever take the key of a platform event, however it spells its id
+# (see ``normalize``).
 EXTERNAL_PREFIX = "ext:"
 MAX_KEY = MAX_ID + len(EXTERNAL_PREFIX)  # a stored request id
 PLATFORM_ID = re.compile(r"req_[0-9a-f]{32}")
@@ -80,9 +82,21 @@ class UsageEventData:
         return (self.org_id, self.request_id)
 
 
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 def new_request_id() -> str:
-    """Return a fresh, unguessable platform request id (``req_`` and 32 random hex digits)."""
-    return f"req_{secrets.token_hex(16)}"
+    """Return a fresh, unguessable platform request id: ``req_``, the issue time (12 hex digits
+    of ms since the epoch) and 80 random bits (20 hex digits) from the OS's CSPRNG.
+
+    The time first makes ids issued later sort later, so each organization's new idempotency
+    keys land at the right edge of ``usage_event_id``'s primary key (a few hot pages per
+    batch) instead of on random leaf pages across the whole index, which cost the ingest
+    consumer a page read and write per event once the index outgrew memory. 80 random bits
+    still leave nothing to guess.
+    """
+    return f"req_{_now_ms():012x}{secrets.token_hex(10)}"
 
 
 def external_request_id(event_id: str) -> str:
