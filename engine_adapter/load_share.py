@@ -52,7 +52,8 @@ ROUTES_MAXLEN = 20000  # entries of the placements stream (each one published ba
 ROUTES_WARM_S = 60.0  # a process (re)starting its reader reads this much of the stream first
 ROUTES_READ = 1000  # entries taken per read at most
 ROUTES_BLOCK_MS = 500  # how long one blocking read waits for placements
-LOOKUP_TIMEOUT_S = 0.05  # a placement lookup slower than this is given up (a hint, not a wait)
+LOOKUP_TIMEOUT_S = 0.25  # a lookup slower than this is given up (a hint; 50 ms timed out
+# most lookups of bench/routing.py on a loaded 2-core machine, each dropping its connection)
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +79,8 @@ class LoadShare:
         self.routes_key = f"{key}:routes"
         self._routes_from = ""  # the last stream id read ('': none yet, start ROUTES_WARM_S back)
         self._reader: asyncio.Task | None = None
-        self._publisher: asyncio.Task | None = None
+        self._publishing: set[asyncio.Task] = set()
+        self._batch_pending = False  # a batch of placements is scheduled, not yet taken
         self._active_at = 0.0
         self._failing = False
         self._peers = False  # the last exchange saw another process
@@ -103,12 +105,19 @@ class LoadShare:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # routed outside an event loop (a test, a script): nothing to share with
-        if not _running(self._publisher, loop):
-            self._publisher = loop.create_task(self._publish_routes())
+        # One batch per loop turn, not waiting for the last one's answer: a write behind a
+        # slow answer reached Redis after the conversation's next turn had looked it up.
+        if self._batch_pending:
+            return
+        self._batch_pending = True
+        task = loop.create_task(self._publish_routes())
+        self._publishing.add(task)  # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._publishing.discard)
 
     async def _publish_routes(self) -> None:
         await asyncio.sleep(0)  # the placements of this loop turn's other requests join in
-        while routed := self.router.drain_routed():
+        self._batch_pending = False
+        if routed := self.router.drain_routed():
             payload = json.dumps([[block.hex(), engine_id] for block, engine_id in routed])
             try:
                 async with self._client().pipeline(transaction=False) as pipe:
@@ -123,7 +132,7 @@ class LoadShare:
                         pipe.pexpire(self._placed_key(block), int(ROUTES_WARM_S * 1000))
                     await pipe.execute()
             except (redis.exceptions.RedisError, OSError):
-                return  # placements are hints: lost ones cost cache hits, never a request
+                pass  # placements are hints: lost ones cost cache hits, never a request
 
     def _placed_key(self, block: bytes) -> str:
         # one hash tag: a lookup's MGET names keys of one slot on a Redis Cluster too
