@@ -2,7 +2,9 @@
 
 A producer process XADDs gateway-shaped events (the wire form of ``metering.events``) to a
 fresh stream while this process runs the real consumer (``metering.ingest.Ingestor``: read,
-COPY, dedup, rating through ``plans.rating``, hourly rollups, XACK). Two phases:
+COPY, dedup, rating through ``plans.rating``, hourly rollups, XACK); with ``--consumers N`` the
+stream is sharded by organization into N streams (``TOLLGATE_USAGE_STREAM_SHARDS``) and each
+shard has its own consumer process, as a deployment would run them. Two phases:
 
 1. throughput: ``--events`` offered as fast as the producer can (or at ``--rate``);
    ``events_per_s`` is events over the time from the first XADD to the last commit, so the
@@ -16,7 +18,7 @@ COPY, dedup, rating through ``plans.rating``, hourly rollups, XACK). Two phases:
 Between the phases it measures the ceiling the consumer works against, in the same run: a plain
 ``COPY`` of the rows the throughput phase recorded (same columns, same values) into an
 unindexed, unpartitioned table (``copy_limit_rows_per_s``, the best of text and binary format
-on one connection and text over ``--writers`` connections), and reports
+on one connection and binary over as many connections as the consumers write with), and reports
 ``events_per_copy_limit`` = ``events_per_s`` / ``copy_limit_rows_per_s``.
 
 Prints one JSON line: ``{"events", "events_per_s", "copy_limit_rows_per_s",
@@ -54,39 +56,61 @@ REGIONS = ("us-east", "us-west", "eu-west")
 TIERS = ("default", "default", "default", "priority", "flex", "batch")
 
 
+XADD_LUA = """
+for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'e', ARGV[i]) end
+return #ARGV
+"""
+
+
 def produce(args: argparse.Namespace) -> None:
     """Producer role: XADD ``--events`` events; print the achieved rate as JSON."""
     import redis
 
     spec = json.loads(args.spec)
     r = redis.Redis.from_url(spec["redis_url"])
-    key, run = spec["stream"], spec["run"]
+    streams, run = spec["streams"], spec["run"]
     keys = spec["keys"]  # [org_id, project_id, key_id]
     rng = random.Random(run)  # ids differ between runs and phases
     # the wire form of metering.events.encode, built by a template for speed; the parent
     # checked this template against the real encoder before starting us
     template = spec["template"]
-    n, chunk, rate = args.events, 250, args.rate
-    # the gateway's request ids are "req_" + a random UUID; "ordered" models time-ordered ids
-    random_ids = spec["ids"] == "random"
-    start = time.perf_counter()
-    sent = 0
-    while sent < n:
-        pipe = r.pipeline(transaction=False)
-        now = datetime.now(UTC).isoformat()
-        for i in range(sent, min(sent + chunk, n)):
+    n, chunk, rate = args.events, 500, args.rate
+    # "gateway": the gateway's ids (metering.events.new_request_id: "req_", 12 hex digits of
+    # the ms, 80 random bits); "random": 128 random bits (the gateway's ids before they were
+    # time-ordered); "ordered": a sequence
+    ids = spec["ids"]
+    # Every payload is built before the first XADD and sent by a script, many per call: the
+    # producer shares the cores with the consumer, and building and packing one command per
+    # event in Python held the offered rate below what the consumer drains.
+    now = datetime.now(UTC).isoformat()
+    ms = time.time_ns() // 1_000_000
+    chunks: list[dict[str, list[bytes]]] = []
+    for first in range(0, n, chunk):
+        per_stream: dict[str, list[bytes]] = {}
+        for i in range(first, min(first + chunk, n)):
             org, project, api_key = keys[i % len(keys)]
             prompt = rng.randrange(20, 4000)
             payload = template % (
-                org, (f"req_{rng.getrandbits(128):032x}" if random_ids else f"req_{run}{i:012d}"),
+                org, (f"req_{ms:012x}{rng.getrandbits(80):020x}" if ids == "gateway" else
+                      f"req_{rng.getrandbits(128):032x}" if ids == "random" else
+                      f"req_{run}{i:012d}"),
                 project, api_key, MODELS[i % len(MODELS)],
                 REGIONS[i % len(REGIONS)], f"engine-{i % 8}", TIERS[i % len(TIERS)],
                 prompt, prompt // 3, rng.randrange(1, 800), rng.randrange(0, 50),
                 rng.randrange(5, 400), rng.randrange(100, 9000), now,
             )
-            pipe.xadd(key, {b"e": payload.encode()})
+            per_stream.setdefault(streams[org % len(streams)], []).append(payload.encode())
+        chunks.append(per_stream)
+        ms += 1  # ids stay in time order as the gateway's would
+    add = r.register_script(XADD_LUA)
+    start = time.perf_counter()
+    sent = 0
+    for per_stream in chunks:
+        pipe = r.pipeline(transaction=False)
+        for stream_key, payloads in per_stream.items():
+            add(keys=[stream_key], args=payloads, client=pipe)
+            sent += len(payloads)
         pipe.execute()
-        sent = min(sent + chunk, n)
         if rate:
             ahead = sent / rate - (time.perf_counter() - start)
             if ahead > 0:
@@ -143,55 +167,100 @@ def _setup_orgs(n_orgs: int, run: str) -> list[list[int]]:
     return keys
 
 
-def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: list) -> dict:
-    """Produce ``events`` at ``rate`` (0: as fast as possible) while consuming them."""
-    os.environ["TOLLGATE_USAGE_STREAM"] = f"bench:usage:{run}"
-    from metering import conf, stream
+def _consume(args: argparse.Namespace, *, expected: int, shard: int | None) -> dict:
+    """Consumer role: run an ``Ingestor`` (on one shard, or every stream) until ``expected``
+    events of it were recorded; return its counts and each event's lag."""
+    from metering import stream
     from metering.ingest import Ingestor
 
     lags: list[float] = []
-    done = {"n": 0, "dups": 0, "dead": 0, "first": None, "last": 0.0}
+    done: dict[str, Any] = {"n": 0, "dups": 0, "dead": 0, "first": None, "last": 0.0}
     ingestor: Ingestor
 
     def observer(batch, result, committed: float) -> None:
-        if done["first"] is None:
-            done["first"] = min(stream.entry_ms(i) for i in batch.ids) / 1000
+        first = min(stream.entry_ms(i) for i in batch.ids) / 1000
+        done["first"] = first if done["first"] is None else min(done["first"], first)
         lags.extend(committed - int(i[:i.index(b"-")]) / 1000 for i in batch.ids)
         done["n"] += len(result.recorded)
         done["dups"] += len(result.duplicates)
         done["dead"] += len(result.dead_lettered)
         done["last"] = committed
-        if done["n"] + done["dups"] + done["dead"] >= events:
+        if done["n"] + done["dups"] + done["dead"] >= expected:
             ingestor.stop()
 
     ingestor = Ingestor(batch_size=args.batch_size, observer=observer, claim_idle_ms=600_000,
-                        writers=args.writers)
-    stream.ensure_group(ingestor.redis)
-    spec = {"redis_url": conf.redis_url(), "stream": conf.stream_key(), "run": run,
+                        writers=args.writers, shards=None if shard is None else [shard])
+    for key in ingestor.keys:
+        stream.ensure_group(ingestor.redis, key)
+    stats = ingestor.run()
+    return {**done, "lags": lags, "batches": stats.batches}
+
+
+def consume(args: argparse.Namespace) -> None:
+    """Consumer process of one shard (``--consumers`` > 1): its result as JSON in a file."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
+    import django
+
+    django.setup()
+    spec = json.loads(args.spec)
+    result = _consume(args, expected=spec["expected"], shard=spec["shard"])
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: list) -> dict:
+    """Produce ``events`` at ``rate`` (0: as fast as possible) while consuming them, with one
+    consumer process per stream shard (``--consumers``)."""
+    import tempfile
+
+    os.environ["TOLLGATE_USAGE_STREAM"] = f"bench:usage:{run}"
+    from metering import conf
+
+    shards = conf.stream_keys()
+    per_shard = [0] * len(shards)
+    for i in range(events):  # the producer's org of event i is keys[i % len(keys)][0]
+        per_shard[keys[i % len(keys)][0] % len(shards)] += 1
+    spec = {"redis_url": conf.redis_url(), "streams": shards, "run": run,
             "keys": keys, "template": TEMPLATE, "ids": args.ids}
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    consumers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--consume", "--batch-size", str(args.batch_size or 0),
+             "--writers", str(args.writers),
+             "--spec", json.dumps({"expected": per_shard[s], "shard": s,
+                                   "out": str(workdir / f"{s}.json")})])
+        for s in range(1, len(shards))
+    ]
     producer = subprocess.Popen(
         [sys.executable, __file__, "--produce", "--events", str(events), "--rate", str(rate),
          "--spec", json.dumps(spec)],
         stdout=subprocess.PIPE, text=True,
     )
     started = time.time()
-    stats = ingestor.run()
+    parts = [_consume(args, expected=per_shard[0], shard=0 if len(shards) > 1 else None)]
     produced = json.loads(producer.communicate(timeout=900)[0].strip().splitlines()[-1])
-    ingestor.redis.delete(conf.stream_key())
-    lags.sort()
-    span = done["last"] - (done["first"] or started)
+    for s, child in enumerate(consumers, start=1):
+        if child.wait(timeout=900) != 0:
+            raise RuntimeError(f"the consumer of shard {s} failed")
+        parts.append(json.loads((workdir / f"{s}.json").read_text()))
+    from metering import stream
+
+    stream.client().delete(*shards)
+    lags = sorted(lag for part in parts for lag in part["lags"])
+    n = sum(part["n"] for part in parts)
+    firsts = [part["first"] for part in parts if part["first"] is not None]
+    span = max(part["last"] for part in parts) - (min(firsts) if firsts else started)
     return {
-        "events": done["n"],
-        "events_per_s": round(done["n"] / span) if span > 0 else None,
+        "events": n,
+        "events_per_s": round(n / span) if span > 0 else None,
         "lag_p50_s": round(_percentile(lags, 0.50), 3),
         "lag_p99_s": round(_percentile(lags, 0.99), 3),
         "lag_max_s": round(lags[-1], 3) if lags else None,
         "duration_s": round(span, 2),
-        "batches": stats.batches,
+        "batches": sum(part["batches"] for part in parts),
         "offered_rate": rate or "max",
         **produced,
-        "duplicates": done["dups"],
-        "dead_lettered": done["dead"],
+        "duplicates": sum(part["dups"] for part in parts),
+        "dead_lettered": sum(part["dead"] for part in parts),
     }
 
 
@@ -331,7 +400,7 @@ def bench(args: argparse.Namespace) -> dict:
     # 1. throughput: the whole run offered as fast as the producer can (or at --rate)
     load = _phase(args, events=args.events, rate=args.rate, run=f"{run}a", keys=keys)
     # the ceiling, right after: a plain COPY of the rows just recorded
-    limit = _copy_limit(org_ids, connections=args.writers)
+    limit = _copy_limit(org_ids, connections=args.writers * args.consumers)
     # 2. lag: events offered at a steady rate below the throughput, as a gateway would
     lag_rate = args.lag_rate or int((load["events_per_s"] or 1000) * 0.8)
     lag = (_phase(args, events=args.lag_events, rate=lag_rate, run=f"{run}b", keys=keys)
@@ -365,6 +434,7 @@ def bench(args: argparse.Namespace) -> dict:
         "batches": load["batches"],
         "batch_size": args.batch_size or conf.batch_size(),
         "writers": args.writers,
+        "consumers": args.consumers,
         "request_ids": args.ids,
         "duplicates": load["duplicates"] + (lag["duplicates"] if args.lag_events else 0),
         "dead_lettered": load["dead_lettered"] + (lag["dead_lettered"] if args.lag_events else 0),
@@ -390,15 +460,25 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--orgs", type=int, default=10)
     parser.add_argument("--writers", type=int, default=2)
-    parser.add_argument("--ids", choices=["random", "ordered"], default="random",
-                        help="request ids: random like the gateway's (req_<uuid4>) or ordered")
+    parser.add_argument("--consumers", type=int, default=2,
+                        help="consumer processes, one per shard of the stream (sharded by org)")
+    parser.add_argument("--ids", choices=["gateway", "random", "ordered"], default="gateway",
+                        help="request ids: the gateway's (time first, 80 random bits), "
+                             "all random (the gateway's before) or a sequence")
     parser.add_argument("--reset", action="store_true", help="empty the usage tables first")
     parser.add_argument("--produce", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--consume", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.produce:
         produce(args)
         return
+    if args.consume:
+        args.batch_size = args.batch_size or None
+        consume(args)
+        return
+    if args.consumers > 1:  # read by metering.conf at call time, in every process
+        os.environ["TOLLGATE_USAGE_STREAM_SHARDS"] = str(args.consumers)
     print(json.dumps(bench(args)))
 
 
