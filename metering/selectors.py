@@ -256,17 +256,37 @@ _EVENT_CLASS_SQL = ", ".join(
 _EVENT_SUM_SQL = "COUNT(*), " + ", ".join(f"SUM(e.{c})" for c in _PERIOD_SUMS[1:])
 _DIMS = "model, region, service_tier, capacity_source, currency"
 # The usage sums of period ``p`` (ps, pe; hs = its first whole hour, he = the hour its end
-# cuts) per dimensions and currency: the rollups of its whole hours, summed straight off their
-# index range, plus its events before the first whole hour and from the cut hour on (one index
-# range each, skipped outright where the period starts or ends on the hour), then the two
-# added up. When the period starts and ends within one hour (hs > he) there are no whole hours
-# and the first event range is the whole period. So every event lies in exactly one period,
-# to the microsecond, while rollups are whole UTC hours.
+# cuts; ms = the first calendar month start at or after hs, me = the month start at or before
+# he) per dimensions and currency: the month rows of ``usage_rollup_monthly`` for the whole
+# UTC months of [ms, me) (kept by the database from the hourly rollups, migration 0009: one
+# row per dimension a month instead of ~720 hourly ones; a calendar-month period is only
+# that), the hourly rollups of the whole hours outside them ([hs, h1) and [h2, he), where h1
+# = ms and h2 = me when there are whole months, else h1 = h2 = he: the whole hours alone),
+# summed straight off their index range, plus its events before the first whole hour and
+# from the cut hour on (one index range each, skipped outright where the period starts or ends
+# on the hour), then all added up. Each part is skipped by a one-time filter on p where its
+# range is empty. When the period starts and ends within one hour (hs > he) there are no whole
+# hours and the first event range is the whole period. So every event lies in exactly one
+# period, to the microsecond, while rollups are whole UTC hours.
+_ROLLUP_DIMS = f"r.{_DIMS.replace(', ', ', r.')}"
 _ONE_PERIOD_SUMS = f"""
         SELECT {_DIMS}, {", ".join(f"SUM({c})" for c in _PERIOD_SUMS)}
-          FROM (SELECT r.{_DIMS.replace(", ", ", r.")}, {_ROLLUP_SUM_SQL}
+          FROM (SELECT {_ROLLUP_DIMS}, {_ROLLUP_SUM_SQL}
+                  FROM usage_rollup_monthly r
+                 WHERE p.ms < p.me AND r.organization_id = p.org AND r.month >= p.ms
+                   AND r.month < p.me AND r.rollups > 0
+                 GROUP BY 1, 2, 3, 4, 5
+                UNION ALL
+                SELECT {_ROLLUP_DIMS}, {_ROLLUP_SUM_SQL}
                   FROM usage_rollup_hourly r
-                 WHERE r.organization_id = p.org AND r.hour >= p.hs AND r.hour < p.he
+                 WHERE p.hs < p.h1 AND r.organization_id = p.org AND r.hour >= p.hs
+                   AND r.hour < p.h1
+                 GROUP BY 1, 2, 3, 4, 5
+                UNION ALL
+                SELECT {_ROLLUP_DIMS}, {_ROLLUP_SUM_SQL}
+                  FROM usage_rollup_hourly r
+                 WHERE p.h2 < p.he AND r.organization_id = p.org AND r.hour >= p.h2
+                   AND r.hour < p.he
                  GROUP BY 1, 2, 3, 4, 5
                 UNION ALL
                 SELECT e.{_DIMS.replace(", ", ", e.")}, {_EVENT_SUM_SQL}
@@ -287,14 +307,25 @@ _ONE_PERIOD_SUMS = f"""
                     {", ".join(_PERIOD_SUMS)})
          GROUP BY 1, 2, 3, 4, 5
 """  # noqa: S608 (only our own column names are interpolated)
+# The first calendar month start at or after an instant (UTC, whatever the session's zone).
+_MONTH_CEIL = ("CASE WHEN date_trunc('month', {0}, 'UTC') = {0} THEN {0} "
+               "ELSE (date_trunc('month', {0} AT TIME ZONE 'UTC') + interval '1 month') "
+               "AT TIME ZONE 'UTC' END")
 
 # One aggregate per period (LATERAL): each is a small in-memory hash over one org's index
 # range, where one big GROUP BY over the whole chunk spilled a sort of millions of rows to
 # disk (measured 2x slower at 500 orgs x 3,600 rollup rows).
 _PERIODS_SQL = f"""
-WITH p AS (
+WITH b AS (
     SELECT org, ps, pe, {_HOUR_CEIL.format("ps")} AS hs, {_HOUR_FLOOR.format("pe")} AS he
       FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[]) AS t(org, ps, pe)
+), m AS (
+    SELECT b.*, {_MONTH_CEIL.format("b.hs")} AS ms, date_trunc('month', b.he, 'UTC') AS me
+      FROM b
+), p AS (
+    SELECT m.*, CASE WHEN m.ms < m.me THEN m.ms ELSE m.he END AS h1,
+           CASE WHEN m.ms < m.me THEN m.me ELSE m.he END AS h2
+      FROM m
 )
 SELECT p.org, p.ps, p.pe, a.*
   FROM p CROSS JOIN LATERAL ({_ONE_PERIOD_SUMS} ORDER BY 1, 3, 2, 4) a
