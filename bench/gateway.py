@@ -5,10 +5,12 @@ run on one machine.
 Prints one JSON line: added TTFT and total latency (p50, p99) of the gateway over direct at
 concurrency 1 (streaming and non-streaming), the same for the Responses API (``/v1/responses``,
 storing each answer as by default) with its added TTFT as a ratio of chat's, and throughput
-at saturation as ratios gateway/direct and gateway/LiteLLM. Latency requests alternate between
-direct, the gateway's chat and its Responses API so that drift in the machine's load falls on
-all alike; LiteLLM is stopped (SIGSTOP) while anything else is measured. The gateway runs with
-DEBUG off, as in production.
+at saturation as ratios gateway/direct and gateway/LiteLLM, with each process's CPU ms per
+request at saturation (``gateway_cpu_ms_per_request``: the gateway's own, read from /proc;
+direct is the ceiling, so the gateway's CPU per request is what it costs on shared cores).
+Latency requests alternate between direct, the gateway's chat and its Responses API so that
+drift in the machine's load falls on all alike; LiteLLM is stopped (SIGSTOP) while anything
+else is measured. The gateway runs with DEBUG off, as in production.
 
     .venv/bin/python bench/gateway.py [--requests 300] [--concurrency 64]
 
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 
 from bench.pricing import price_model
+from bench.procs import cpu_seconds
 from engine_adapter.sim.testing import free_port, start_sim
 
 LITELLM = ROOT / ".tollgate" / "litellm-venv" / "bin" / "litellm"
@@ -105,7 +108,9 @@ async def latency(targets: dict[str, tuple[str, dict]], *, stream: bool,
     return out
 
 
-async def throughput(url: str, headers: dict, *, concurrency: int, seconds: float) -> float:
+async def throughput(url: str, headers: dict, *, concurrency: int,
+                     seconds: float) -> tuple[float, int]:
+    """Saturate ``url`` for ``seconds``; return requests/s and the number of requests done."""
     done = 0
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -125,7 +130,7 @@ async def throughput(url: str, headers: dict, *, concurrency: int, seconds: floa
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return done / (time.perf_counter() - t0), done
 
 
 def setup_platform(sim_url: str) -> str:
@@ -252,14 +257,24 @@ def main() -> None:
                         lat[f"{name}_{kind}"] = stats
                         log(f"{name}_{kind}: {stats}")
         rps = {}
+        # CPU ms per request of each process in the path, from /proc, over the target's run
+        cpu_ms: dict[str, dict[str, float]] = {}
+        procs = {"engine": [sim.process], "gateway": [gateway],
+                 "litellm": [litellm] if litellm else []}
         for name, (url, headers) in targets.items():
             if name == "responses":
                 continue  # a latency column only: its throughput is the gateway's
             # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
             with paused(litellm if name != "litellm" else None):
-                rps[name] = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
-                                                   seconds=args.seconds))
-            log(f"{name}: {rps[name]:.0f} req/s at concurrency {args.concurrency}")
+                cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
+                client0 = time.process_time()
+                rps[name], done = asyncio.run(throughput(
+                    url, headers, concurrency=args.concurrency, seconds=args.seconds))
+                cpu_ms[name] = {k: round((cpu_seconds(v) - cpu0[k]) * 1000 / done, 3)
+                                for k, v in procs.items() if v and (k == "engine" or k == name)}
+                cpu_ms[name]["client"] = round((time.process_time() - client0) * 1000 / done, 3)
+            log(f"{name}: {rps[name]:.0f} req/s at concurrency {args.concurrency}, "
+                f"CPU ms/request {cpu_ms[name]}")
     finally:
         for proc in (gateway, litellm):
             if proc is not None:
@@ -287,6 +302,9 @@ def main() -> None:
         "throughput_ratio_vs_litellm": (round(rps["gateway"] / rps["litellm"], 3)
                                         if "litellm" in rps else None),
         "rps": {k: round(v, 1) for k, v in rps.items()},
+        # the gateway's own CPU per request at saturation: what it adds to the engine's path
+        "gateway_cpu_ms_per_request": cpu_ms["gateway"]["gateway"],
+        "cpu_ms_per_request": cpu_ms, "cores": os.cpu_count(),
         "transport_errors": ERRORS[:10], "transport_error_count": len(ERRORS),
         "targets": {name: url for name, (url, _h) in targets.items()},
         "latency_ms": {k: {m: round(x, 3) for m, x in v.items()} for k, v in lat.items()},

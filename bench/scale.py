@@ -70,6 +70,8 @@ from urllib.parse import urlparse, urlunparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.procs import cpu_seconds
+
 MODEL = "bench"
 PROMPT = [{"role": "user", "content": "Say hello to the scale benchmark."}]
 CHILDREN: list[subprocess.Popen] = []  # every process this run started, ended at exit
@@ -178,17 +180,6 @@ def stop_children(procs: list[subprocess.Popen] | None = None) -> None:
             proc.wait(timeout=10)
         if proc in CHILDREN:
             CHILDREN.remove(proc)
-
-
-def cpu_seconds(procs: list[subprocess.Popen]) -> float:
-    """Return the user + system CPU the processes (not their children) have used."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 @dataclass

@@ -243,13 +243,12 @@ class EngineCall:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Yield the engine's SSE chunks as dicts (usage chunk included) until ``[DONE]``."""
-        lines = self._lines = self._open().aiter_lines()
+        # The idle timeout covers each wait for the engine's bytes, never a ``yield`` (the
+        # consumer's time is not ours); lines that came in one read share one timer.
+        lines = self._lines = self._open().aiter_lines(idle_timeout=self.client.idle_timeout)
         while True:
             try:
-                # asyncio.timeout, not wait_for: no task and no extra loop turn per line. It
-                # covers only this await, never a ``yield`` (the consumer's time is not ours).
-                async with asyncio.timeout(self.client.idle_timeout):
-                    line = await anext(lines)
+                line = await anext(lines)
             except StopAsyncIteration:
                 if not self._finished:
                     self._fail("the engine closed the stream before finishing")

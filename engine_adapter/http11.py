@@ -1,12 +1,17 @@
-"""A lean HTTP/1.1 client for engine calls: h11 over asyncio streams, with keep-alive reuse.
+"""A lean HTTP/1.1 client for engine calls: httptools (llhttp) over asyncio streams, with
+keep-alive reuse.
 
 Engine calls are one shape only (POST a JSON body, read a JSON body or an SSE stream, over
 plain keep-alive HTTP/1.1), and they sit on the gateway's critical path. httpx spent most of
 the gateway's own time on them: on the benchmark machine it took ~2 ms of CPU from sending a
 request to reading the engine's response headers, and ~100 us per streamed chunk, in its
-layers (httpx, httpcore, anyio, sniffio) around the same h11 state machine used here
-(bench/gateway.py). h11 still does all the parsing (chunked bodies, keep-alive rules,
-protocol errors); this module only moves bytes, pools connections and maps failures.
+layers (httpx, httpcore, anyio, sniffio). The h11 state machine that replaced it was still
+~14 % of the gateway's CPU when streaming (pure Python, an event object per chunk); llhttp
+(the parser of Node.js and of uvicorn's ``httptools`` protocol, already a dependency) parses in
+C and hands over the body as it comes (bench/gateway.py: ``gateway_cpu_ms_per_request``).
+The parser does all the parsing (status line, headers, chunked bodies, keep-alive rules,
+protocol errors); this module only writes requests, moves bytes, pools connections and maps
+failures.
 
 Closing a response before its end closes the connection, which is how a caller aborts the
 request at the engine. A response read to its end returns its connection to the pool.
@@ -19,29 +24,41 @@ import codecs
 import ssl
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 from urllib.parse import urlsplit
 
-import h11
+import httptools
 
 READ_BYTES = 64 * 1024
 KEEPALIVE_S = 4.0  # under uvicorn's (SGLang's) 5 s keep-alive, so we never reuse a closing one
 
 Origin = tuple[str, str, int]
+_FRAMING = frozenset((b"content-length", b"transfer-encoding"))
 
 
 class TransportError(Exception):
     """The engine could not be reached, or the connection failed or broke the protocol."""
 
 
+class _ProtocolError(Exception):
+    """The engine's bytes are not an HTTP/1.1 response (or it closed mid-response)."""
+
+
 class _Connection:
+    """One keep-alive connection and the parser of the response being read on it (the
+    parser's callbacks are the ``on_*`` methods: llhttp calls them from ``feed_data``)."""
+
     def __init__(self, origin: Origin, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
         self.origin = origin
         self.reader = reader
         self.writer = writer
-        self.h11 = h11.Connection(h11.CLIENT)
+        self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        self.status = 0  # of the final (non-1xx) response; 0 until its headers are in
+        self.complete = False  # that response's body has ended
+        self.keep_alive = False  # and the connection may carry the next request
+        self.body: list[bytes] = []  # body bytes parsed and not yet taken
+        self._framed = False  # Content-Length or chunked, or else the body ends at EOF
 
     def reusable(self, now: float) -> bool:
         # A connection the engine closed while it sat idle shows EOF (or a closing transport).
@@ -51,12 +68,42 @@ class _Connection:
     def close(self) -> None:
         self.writer.close()
 
-    async def next_event(self) -> Any:
-        while True:
-            event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            self.h11.receive_data(await self.reader.read(READ_BYTES))  # b"" is EOF to h11
+    def start(self) -> None:
+        """Forget the last response: the connection carries a new request."""
+        self.status, self.complete, self.keep_alive, self._framed = 0, False, False, False
+        self.body = []
+
+    # llhttp's callbacks (a 1xx response is a message of its own before the final one)
+    def on_header(self, name: bytes, _value: bytes) -> None:
+        if name.lower() in _FRAMING:
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status >= 200:
+            self.status = status
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.status:  # the final response (a 1xx one is followed by it)
+            self.complete = True
+            self.keep_alive = self.parser.should_keep_alive()
+        self._framed = False
+
+    async def receive(self) -> None:
+        """Read what the engine sent next and parse it (callbacks above)."""
+        data = await self.reader.read(READ_BYTES)
+        if not data:
+            if self.status and not self._framed and not self.complete:
+                self.complete = True  # a body delimited by the connection's close
+                return
+            raise _ProtocolError("the engine closed the connection mid-response")
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            raise _ProtocolError(f"not an HTTP/1.1 response: {exc}") from exc
 
 
 class Response:
@@ -70,21 +117,28 @@ class Response:
         self._slots = slots
         self._complete = False
 
-    async def _next_data(self) -> bytes | None:
-        """Return the next piece of the body, or None at its end."""
+    async def _next_data(self, idle_timeout: float | None = None) -> bytes | None:
+        """Return the body's bytes that have arrived (waiting for some, at most
+        ``idle_timeout`` seconds: TimeoutError), or None at its end."""
         conn = self._conn
         if conn is None or self._complete:
             return None
         try:
-            event = await conn.next_event()
-        except (OSError, h11.ProtocolError) as exc:
+            while not conn.body and not conn.complete:
+                if idle_timeout is None:
+                    await conn.receive()
+                else:
+                    async with asyncio.timeout(idle_timeout):
+                        await conn.receive()
+        except TimeoutError:
+            raise  # the engine was idle too long (an OSError too: not a transport failure)
+        except (OSError, _ProtocolError) as exc:
             raise TransportError(f"engine connection failed: {exc!r}") from exc
-        if isinstance(event, h11.Data):
-            return bytes(event.data)
-        if isinstance(event, h11.EndOfMessage):
-            self._complete = True
-            return None
-        raise TransportError(f"unexpected HTTP event from the engine: {event!r}")
+        if conn.body:
+            parts, conn.body = conn.body, []
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        self._complete = True
+        return None
 
     async def aread(self) -> bytes:
         parts = []
@@ -92,11 +146,13 @@ class Response:
             parts.append(data)
         return b"".join(parts)
 
-    async def aiter_lines(self) -> AsyncIterator[str]:
-        """Yield the body's lines, without their line endings (UTF-8)."""
+    async def aiter_lines(self, *, idle_timeout: float | None = None) -> AsyncIterator[str]:
+        """Yield the body's lines, without their line endings (UTF-8). With ``idle_timeout``,
+        raise TimeoutError when the engine sends nothing for that long (the lines of what
+        has arrived are yielded without a timer: one per read from the socket, not per line)."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = ""
-        while (data := await self._next_data()) is not None:
+        while (data := await self._next_data(idle_timeout)) is not None:
             pending += decoder.decode(data)
             if "\n" in pending:
                 *lines, pending = pending.split("\n")
@@ -152,27 +208,24 @@ class Pool:
         except TimeoutError as exc:
             raise TransportError(f"no free engine connection within {self.pool_timeout}s") \
                 from exc
+        if not target.isprintable() or " " in target:
+            raise TransportError(f"not a valid request target: {target!r}")
+        head = f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: */*\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        request = (head + "\r\n").encode("ascii", "strict")
         conn = None
         try:
             conn = await self._connection((scheme, host, port))
-            headers = [("Host", parts.netloc), ("Accept", "*/*")]
-            if body is not None:
-                headers += [("Content-Type", "application/json"),
-                            ("Content-Length", str(len(body)))]
-            request = conn.h11.send(h11.Request(method=method, target=target, headers=headers))
-            if body is not None:
-                request += conn.h11.send(h11.Data(data=body))
+            conn.start()
             # One write for the whole request: one segment, one wake-up of the engine.
-            conn.writer.write(request + conn.h11.send(h11.EndOfMessage()))
+            conn.writer.write(request + body if body is not None else request)
             async with asyncio.timeout(self.write_timeout):
                 await conn.writer.drain()
-            while True:
-                event = await conn.next_event()
-                if isinstance(event, h11.Response):
-                    return Response(self, conn, slots, event.status_code)
-                if not isinstance(event, h11.InformationalResponse):
-                    raise TransportError(f"unexpected HTTP event from the engine: {event!r}")
-        except (OSError, h11.ProtocolError) as exc:  # TimeoutError is an OSError
+            while not conn.status:
+                await conn.receive()
+            return Response(self, conn, slots, conn.status)
+        except (OSError, _ProtocolError) as exc:  # TimeoutError is an OSError
             self._release(conn, slots, reuse=False)
             raise TransportError(f"engine request to {host}:{port} failed: {exc!r}") from exc
         except BaseException:  # cancelled (first-byte timeout, client gone): abort it
@@ -216,12 +269,9 @@ class Pool:
         slots.release()
         if conn is None:
             return
-        state = conn.h11
-        if not (reuse and state.our_state is h11.DONE and state.their_state is h11.DONE
-                and slots is self._slots):
+        if not (reuse and conn.complete and conn.keep_alive and slots is self._slots):
             conn.close()
             return
-        state.start_next_cycle()
         now = conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(conn.origin, [])
         while idle and not idle[0].reusable(now):  # the oldest first: close expired ones
