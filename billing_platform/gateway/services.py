@@ -327,6 +327,9 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
                                 regions=pipeline.engine_regions(placement, ticket), tier=tier,
                                 request_id=request_id)
     try:
+        # inside the try: a request cancelled here still gives its admission back
+        await get_fleet().aroute_lookup(namespace=principal.org_public_id,
+                                        prompt_text=req.prompt_text)
         await call.__aenter__()
     except NoCapacity as exc:
         # Offered here, but no engine of it is up in the allowed regions: retry, never
