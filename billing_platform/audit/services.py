@@ -9,15 +9,18 @@ webhook, a Celery sweep).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, transaction
 from django.forms.models import model_to_dict
+from django.utils import timezone
 
 from billing_platform.accounts.models import ApiKey, Organization, User
 from billing_platform.audit.context import current_request_id
-from billing_platform.audit.models import AuditEvent
+from billing_platform.audit.models import AuditEvent, _audit_id
 
 
 def is_secret_field(name: str) -> bool:
@@ -68,11 +71,28 @@ def audit_record_many(*, acting_user: Any, action: str,
         raise RuntimeError(f"audit_record_many({action!r}) must run inside the action's "
                            "transaction.atomic() block")
     actor, request_id = _actor(acting_user), current_request_id.get()
-    events = AuditEvent.objects.bulk_create(
-        [AuditEvent(organization_id=org_id, action=action, target=target or "", before=before,
-                    after=after, request_id=request_id, **actor)
-         for org_id, target, before, after in rows], batch_size=2000)
-    return len(events)
+    user = actor.get("actor_user")
+    user_id, key_id = (user.pk if user is not None else None), actor.get("actor_key_id")
+    label = actor["actor_label"]
+
+    def dumped(value: dict[str, Any] | None) -> str | None:
+        return None if value is None else json.dumps(value, cls=DjangoJSONEncoder)
+
+    count = 0
+    # COPY, not bulk_create: a period close writes one row per invoice (10,000 at a time), and
+    # bulk_create's per-row model and field preparation cost more than the database's insert.
+    # The values are what bulk_create writes (the fields' defaults, JSON by the fields' encoder).
+    with transaction.get_connection().cursor() as cur, cur.copy(_AUDIT_COPY) as copy:
+        for org_id, target, before, after in rows:
+            copy.write_row((_audit_id(), org_id, user_id, key_id, label, action, target or "",
+                            dumped(before), dumped(after), request_id, timezone.now()))
+            count += 1
+    return count
+
+
+_AUDIT_COPY = (f"COPY {AuditEvent._meta.db_table} (public_id, organization_id, actor_user_id, "
+               "actor_key_id, actor_label, action, target, before, after, request_id, "
+               "created_at) FROM STDIN")
 
 
 def audit_snapshot(instance: models.Model, fields: tuple[str, ...] | None = None
