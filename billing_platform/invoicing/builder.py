@@ -1,7 +1,7 @@
 """Build invoices (as plain drafts, not yet rows) for many organizations at once, in SQL.
 
 One pass over a chunk of organizations costs a fixed number of queries whatever its size:
-usage of the period from the hourly rollups (one ``GROUP BY`` joined to the chunk's periods),
+usage of the period from the rollups (one aggregate per period, joined to the chunk's periods),
 late usage (rollups of earlier finalized periods minus what was billed for them), plan fees,
 reservation fees, credit-pack purchases and one-off items finance added (pending invoice
 items: billed once, by the invoice whose close consumes them). The same builder answers
@@ -10,11 +10,12 @@ disagree.
 
 Usage belongs to the period that holds its event time, to the microsecond: a period runs from
 its anchor instant (a subscription's start, e.g. 08:37:18) to the next, as Stripe's do, while
-rollups are whole UTC hours. So a period's usage is read from the rollups of the hours that lie
-wholly inside it, plus the raw events of the (at most two) hours cut by its start and its end
+rollups are whole UTC hours. So a period's usage is read from the monthly summary for the
+whole calendar months inside it, the hourly rollups of the other hours that lie wholly inside
+it, plus the raw events of the (at most two) hours cut by its start and its end
 (``metering.selectors.usage_sums_for_periods``, which owns that SQL). Every event then lies
-in exactly one period; on hour-aligned periods (calendar months) the event ranges are empty and
-the query is the rollups' alone.
+in exactly one period; on a calendar month the hour and event ranges are empty and the query
+is one probe of the monthly summary per organization.
 """
 
 from __future__ import annotations
