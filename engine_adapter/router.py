@@ -14,9 +14,9 @@ Policies:
   * requests routed (``rate_bound``, 1.1): each engine's count of requests routed to it,
     decayed with a ``RATE_HALF_LIFE_S`` half-life. The engine with the longest match wins
     among those under ``rate_bound`` times the mean count, unless an engine over it matches
-    ``STAY_BLOCKS`` more: a request only moves when moving is cheap. What moves are the new
-    conversations of a large tenant, whose system prompt other engines hold too; what stays is
-    a small tenant's only copy and a conversation's history.
+    ``STAY_BLOCKS`` more (or twice as much): a request only moves when moving is cheap. What
+    moves are the new conversations of a large tenant, whose system prompt other engines hold
+    too; what stays is a small tenant's only copy and a short conversation.
 
   An in-flight bound alone spilled on momentary peaks (an engine at 7 in flight against a mean
   of 4), each spill a cold copy of some tenant's prompt elsewhere, and still left the request
@@ -350,7 +350,10 @@ class Router:
         best = best_of(ok)
         if under:
             best_under = best_of(under)
-            if matched[best.engine_id] - matched[best_under.engine_id] < STAY_BLOCKS:
+            # cheap: less than STAY_BLOCKS and less than half of what it has where it is (a
+            # short conversation, all of it under STAY_BLOCKS, is not moved for nothing)
+            loss = matched[best.engine_id] - matched[best_under.engine_id]
+            if loss < min(STAY_BLOCKS, (matched[best.engine_id] + 1) // 2):
                 best = best_under
         if matched[best.engine_id] == 0:  # a prefix new to this process: where all send it
             best = max(under or ok, key=lambda e: _rendezvous(blocks[0], e.engine_id))

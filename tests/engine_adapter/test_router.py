@@ -127,3 +127,22 @@ def test_a_new_conversation_moves_off_a_busy_engine_only_where_its_prefix_is_cac
     # the small tenant's stays where its only copy is (moving would lose the whole prompt)
     assert big.engine.engine_id == second and big.matched_blocks >= len(LONG) // 64
     assert small.engine.engine_id == first
+
+
+def test_a_short_conversation_is_not_moved_off_a_busy_engine_for_nothing():
+    # given a short conversation (fewer blocks than STAY_BLOCKS) on an engine given many more
+    # requests lately than the others
+    router = Router(_engines(3), rate_bound=1.1)
+    first = _engines(3)[0].engine_id
+    for n in range(12):
+        router.release(router.choose(model="m", namespace=f"org-{n}", prompt=SYSTEM,
+                                     exclude={e.engine_id for e in _engines(3)[1:]}
+                                     ).engine.engine_id)
+    turn_1 = "<user>Where is my invoice for March? " * 6
+    router.release(router.choose(model="m", namespace="org-short", prompt=turn_1,
+                                 exclude={e.engine_id for e in _engines(3)[1:]}
+                                 ).engine.engine_id)
+    # when its next turn is routed
+    again = router.choose(model="m", namespace="org-short", prompt=turn_1 + "<user>And April?")
+    # then it stays where the conversation is cached: elsewhere it would match nothing
+    assert again.engine.engine_id == first and again.matched_blocks == len(turn_1) // 64
