@@ -35,9 +35,9 @@ WEBHOOK_DELIVERIES = Counter(
 WEBHOOK_OUTCOMES = ("delivered", "failed", "refused", "abandoned")
 
 
-# Known label values start at 0, so an alert on increase() sees the first event too.
-for _outcome in ("admitted", "rejected", "error"):
-    ADMISSION_SECONDS.labels(_outcome)
+# Known label values start at 0, so an alert on increase() sees the first event too. The
+# admission's children are looked up once: labels() per decision was ~5 % of its CPU.
+_ADMISSION_BY_OUTCOME = {o: ADMISSION_SECONDS.labels(o) for o in ("admitted", "rejected", "error")}
 for _outcome in WEBHOOK_OUTCOMES:
     BUDGET_WEBHOOKS.labels(_outcome)
     WEBHOOK_DELIVERIES.labels(_outcome)
@@ -58,7 +58,7 @@ def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]
             outcome = "rejected"
             raise
         finally:
-            ADMISSION_SECONDS.labels(outcome).observe(time.perf_counter() - started)
+            _ADMISSION_BY_OUTCOME[outcome].observe(time.perf_counter() - started)
 
     return wrapper
 

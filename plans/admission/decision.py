@@ -24,11 +24,18 @@ from plans.admission.policy import (
     QuotaPolicy,
     month_tag,
     prov_key,
-    reservations_key,
     to_micro,
     window_key,
 )
-from plans.pricing import ModelPricing, TokenCounts, exact_lines, normalized_tokens, rounded_lines
+from plans.pricing import (
+    ModelPricing,
+    TokenCounts,
+    class_units,
+    exact_lines,
+    normalized_tokens,
+    rounded_lines,
+    units_in_last_places,
+)
 
 # One ARGV value of a script call (Redis receives every value as a string), and one value of
 # a script's answer (integers, or strings as bytes or text).
@@ -46,6 +53,39 @@ def prompt_token_bound(prompt_text: str, messages: int) -> int:
     return len(prompt_text.encode()) + 8 * max(messages, 1) + 8
 
 
+# Per (pricing, prompt band, tier, zone): what a token of each class costs, as whole numbers
+# of 1e-10 (``units_in_last_places``), or None when some price times its multipliers is finer
+# (then the Decimal path below). Keyed by the pricing's id and holding the pricing itself, so
+# an id reused by a newer object is told apart; cleared when large (policies reload, and each
+# reload makes new pricing objects).
+_UnitsKey = tuple[int, int, str, str]
+_units: dict[_UnitsKey, tuple[ModelPricing, tuple[int, ...] | None]] = {}
+_worst: dict[_UnitsKey, tuple[ModelPricing, tuple[int, int] | None]] = {}
+
+
+def _band(pricing: ModelPricing, prompt_tokens: int) -> int:
+    """Return how many bands a prompt of this size exceeds (0: the base prices)."""
+    n = 0
+    for above, _prices in pricing.bands:
+        if prompt_tokens > above:
+            n += 1
+        else:
+            break
+    return n
+
+
+def _int_units(pricing: ModelPricing, prompt_tokens: int, tier: str, zone: str
+               ) -> tuple[int, ...] | None:
+    key = (id(pricing), _band(pricing, prompt_tokens), tier, zone)
+    hit = _units.get(key)
+    if hit is None or hit[0] is not pricing:
+        if len(_units) > 10_000:
+            _units.clear()
+        hit = _units[key] = (pricing, units_in_last_places(
+            class_units(pricing, prompt_tokens, tier, zone)))
+    return hit[1]
+
+
 def worst_case_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prompt_tokens: int,
                      max_output: int) -> int:
     """Return the worst-case cost of a request in micro-units (no cache hit).
@@ -57,13 +97,33 @@ def worst_case_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prom
     """
     if pricing is None:
         return 0
+    key = (id(pricing), _band(pricing, prompt_tokens), tier, zone)
+    hit = _worst.get(key)
+    if hit is None or hit[0] is not pricing:
+        if len(_worst) > 10_000:
+            _worst.clear()
+        p_in, p_out = _dearest(pricing, prompt_tokens, tier, zone)
+        # whole numbers of 1e-10 micro-units per token: the cost is then an exact integer sum
+        scaled = (p_in.scaleb(10), p_out.scaleb(10))
+        hit = _worst[key] = (pricing, (int(scaled[0]), int(scaled[1])) if all(
+            v == v.to_integral_value() for v in scaled) else None)
+    if hit[1] is not None:
+        u_in, u_out = hit[1]
+        return -(-(prompt_tokens * u_in + max_output * u_out) // 10**10)
+    p_in, p_out = _dearest(pricing, prompt_tokens, tier, zone)
+    return int((prompt_tokens * p_in + max_output * p_out)
+               .to_integral_value(rounding=ROUND_CEILING))
+
+
+def _dearest(pricing: ModelPricing, prompt_tokens: int, tier: str, zone: str
+             ) -> tuple[Decimal, Decimal]:
+    """Return the dearest input and output prices per 1M tokens a prompt of at most this size
+    can meet, times the tier and zone multipliers (= micro-units per token)."""
     sets = [pricing.base, *[p for above, p in pricing.bands if prompt_tokens > above]]
     p_in = max(max(s.input, s.cached_input, s.cache_write) for s in sets)
     p_out = max(s.output for s in sets)
     mult = pricing.multiplier(tier, zone)
-    # micro-units of (tokens x price per 1M / 1M) == tokens x price per 1M
-    return int(((prompt_tokens * p_in + max_output * p_out) * mult)
-               .to_integral_value(rounding=ROUND_CEILING))
+    return p_in * mult, p_out * mult
 
 
 def actual_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prompt_tokens: int,
@@ -71,6 +131,13 @@ def actual_micro(pricing: ModelPricing | None, *, tier: str, zone: str, prompt_t
     """Return what rating will charge for these counts, in micro-units rounded up."""
     if pricing is None or prompt_tokens + completion_tokens == 0:
         return 0
+    units = _int_units(pricing, prompt_tokens, tier, zone)
+    if units is not None:
+        # each line is n x unit exactly (nothing to round at 10 places), in units of 1e-10
+        u_in, u_cached, u_out, _u_write = units
+        total = ((prompt_tokens - cached_tokens) * u_in + cached_tokens * u_cached
+                 + completion_tokens * u_out)
+        return -(-total // 10**4)
     counts = TokenCounts(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                          completion_tokens=completion_tokens, cache_write_tokens=0,
                          service_tier=tier, data_zone=zone)
@@ -101,16 +168,16 @@ def _duration(ms: int) -> str:
 def rate_headers(raw: Sequence[RedisValue]) -> dict[str, str]:
     """Return OpenAI's ``x-ratelimit-*`` headers of the limits, remaining and resets a script
     answers (-1: no such limit)."""
-    lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok = (int(x) for x in raw)
-    headers = {}
+    lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok = map(int, raw)
+    headers: dict[str, str] = {}
     if lim_req >= 0:
-        headers.update({"x-ratelimit-limit-requests": str(lim_req),
-                        "x-ratelimit-remaining-requests": str(rem_req),
-                        "x-ratelimit-reset-requests": _duration(reset_req)})
+        headers["x-ratelimit-limit-requests"] = str(lim_req)
+        headers["x-ratelimit-remaining-requests"] = str(rem_req)
+        headers["x-ratelimit-reset-requests"] = _duration(reset_req)
     if lim_tok >= 0:
-        headers.update({"x-ratelimit-limit-tokens": str(lim_tok),
-                        "x-ratelimit-remaining-tokens": str(rem_tok),
-                        "x-ratelimit-reset-tokens": _duration(reset_tok)})
+        headers["x-ratelimit-limit-tokens"] = str(lim_tok)
+        headers["x-ratelimit-remaining-tokens"] = str(rem_tok)
+        headers["x-ratelimit-reset-tokens"] = _duration(reset_tok)
     return headers
 
 
@@ -138,8 +205,8 @@ class Ticket:
         cost = actual_micro(p.pricing, tier=self.tier, zone=self.zone,
                             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens)
-        keys = [reservations_key(p.org_id), *self.budget_keys]
-        refunds = [(k, tpm) for k, _rpm, tpm in p.rate_scopes if tpm >= 0]
+        keys = [p.static_admit[0][0], *self.budget_keys]  # the reservations key first
+        refunds = p.tpm_scopes
         prov = p.provisioned if self.capacity == "provisioned" else None
         argv: list[Arg] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
                            len(refunds) + int(prov is not None), self.admitted_ms]

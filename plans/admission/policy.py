@@ -256,6 +256,11 @@ class QuotaPolicy:
                      for s in scopes)
 
     @cached_property
+    def tpm_scopes(self) -> tuple[tuple[str, int], ...]:
+        """Return (rate key, tpm) of each scope with a TPM limit (what settlement refunds)."""
+        return tuple((k, tpm) for k, _rpm, tpm in self.rate_scopes if tpm >= 0)
+
+    @cached_property
     def static_admit(self) -> tuple[list[str], list[int]]:
         """Return the KEYS and ARGV of the rate limits, which every admission repeats."""
         keys = [reservations_key(self.org_id)] + [k for k, _r, _t in self.rate_scopes]

@@ -164,7 +164,8 @@ local function admit(ki, ai)
       if n >= limit and req_retry == nil then req_retry = reset end
       local rem = math.max(limit - n - 1, 0)
       if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
-      r[2], r[3], r[4] = n, lo, tonumber(h[3]) or 0
+      r[2], r[4] = n, tonumber(h[3]) or 0
+      if tonumber(h[2]) ~= lo then r[3] = lo end  -- written only when it moved
       r[6] = r[4] == 0
     end
     if cap >= 0 then
@@ -222,12 +223,23 @@ local function admit(ki, ai)
   -- 2. all passed: take everything
   local renewed = false
   for _, r in ipairs(rate) do
-    local f = {}
-    if r[2] then
-      f = {'n', int(r[2] + 1), 'lo', int(r[3]), secf, int(r[4] + 1)}
+    -- one HSET per key, no table to build (numbers: Redis writes integers without a point)
+    if r[2] and r[5] then
+      if r[3] then
+        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 't', r[5] - est, 'ts', now,
+                   'lo', r[3])
+      else
+        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 't', r[5] - est, 'ts', now)
+      end
+    elseif r[2] then
+      if r[3] then
+        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 'lo', r[3])
+      else
+        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1)
+      end
+    elseif r[5] then
+      redis.call('HSET', r[1], 't', r[5] - est, 'ts', now)
     end
-    if r[5] then f[#f + 1] = 't'; f[#f + 1] = r[5] - est; f[#f + 1] = 'ts'; f[#f + 1] = now end
-    redis.call('HSET', r[1], unpack(f))
     if r[6] then redis.call('PEXPIRE', r[1], RATE_TTL); renewed = true end
   end
   local held = {rid}
