@@ -181,6 +181,35 @@ def units_in_last_places(units: Sequence[Decimal]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def lines_in_last_places(units: tuple[int, ...], f: TokenCounts | UsageFacts
+                         ) -> tuple[dict[str, Decimal], Decimal]:
+    """Return ``rounded_lines(exact_lines(...))`` of an event whose per-token amounts are
+    ``units`` (``units_in_last_places``, not None): each line an integer product scaled by
+    1e-10, the same value and exponent as the Decimal route without its contexts."""
+    u_in, u_cached, u_out, u_write = units
+    write = f.cache_write_tokens
+    n_in = (f.prompt_tokens - f.cached_tokens - write) * u_in
+    n_cached = f.cached_tokens * u_cached
+    n_out = f.completion_tokens * u_out
+    lines = {_INPUT: _from_last_places(n_in), _CACHED_INPUT: _from_last_places(n_cached),
+             _OUTPUT: _from_last_places(n_out)}
+    total = n_in + n_cached + n_out
+    if write:
+        lines[_CACHE_WRITE] = _from_last_places(write * u_write)
+        total += write * u_write
+    return lines, _from_last_places(total)
+
+
+_INPUT, _CACHED_INPUT, _OUTPUT, _CACHE_WRITE = (
+    str(TokenClass.INPUT.value), str(TokenClass.CACHED_INPUT.value),
+    str(TokenClass.OUTPUT.value), str(TokenClass.CACHE_WRITE.value))
+
+
+def _from_last_places(n: int) -> Decimal:
+    """Return ``n`` x 1e-10 as a 10-place Decimal (the amounts' quantum)."""
+    return Decimal(n).scaleb(-10, context=EXACT)
+
+
 def rounded_lines(lines: Mapping[str, Decimal], fraction: Decimal | None = None
                   ) -> tuple[dict[str, Decimal], Decimal]:
     """Round each line once (after scaling by ``fraction``); return the lines and their sum."""

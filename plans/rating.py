@@ -73,6 +73,7 @@ from plans.pricing import (
     PriceIndex,
     class_units,
     exact_lines,
+    lines_in_last_places,
     normalized_tokens,
     quantize_amount,
     rounded_lines,
@@ -329,19 +330,13 @@ class _Batch:
 
 # --- the raters (one per kind) -------------------------------------------------------------
 
-_INPUT, _CACHED_INPUT, _OUTPUT, _CACHE_WRITE = (
-    str(TokenClass.INPUT.value), str(TokenClass.CACHED_INPUT.value),
-    str(TokenClass.OUTPUT.value), str(TokenClass.CACHE_WRITE.value))
-
-
 def _on_demand_lines(batch: _Batch, pricing: ModelPricing, f: UsageFacts
                      ) -> tuple[dict[str, Decimal], Decimal]:
     """Return ``rounded_lines(exact_lines(pricing, f))``, in integers where that is exact.
 
     When every per-token amount of the event's price set, tier and zone is a whole number of
-    1e-10 (``units_in_last_places``: prices of up to 4 places under the usual multipliers), a
-    line is n x unit exactly and its rounding to 10 places changes nothing, so the line is an
-    integer product scaled by 1e-10: the same value and exponent as the Decimal route, which
+    1e-10 (``units_in_last_places``: prices of up to 4 places under the usual multipliers),
+    ``lines_in_last_places`` gives the same lines from integer products: the Decimal route
     builds three contexts and a dozen Decimals per event and was most of rating's time.
     """
     prices = pricing.prices_for(f.prompt_tokens)
@@ -353,23 +348,7 @@ def _on_demand_lines(batch: _Batch, pricing: ModelPricing, f: UsageFacts
             class_units(pricing, f.prompt_tokens, f.service_tier, f.data_zone))
     if units is None:
         return rounded_lines(exact_lines(pricing, f))
-    u_in, u_cached, u_out, u_write = units
-    write = f.cache_write_tokens
-    n_in = (f.prompt_tokens - f.cached_tokens - write) * u_in
-    n_cached = f.cached_tokens * u_cached
-    n_out = f.completion_tokens * u_out
-    lines = {_INPUT: _from_last_places(n_in), _CACHED_INPUT: _from_last_places(n_cached),
-             _OUTPUT: _from_last_places(n_out)}
-    total = n_in + n_cached + n_out
-    if write:
-        lines[_CACHE_WRITE] = _from_last_places(write * u_write)
-        total += write * u_write
-    return lines, _from_last_places(total)
-
-
-def _from_last_places(n: int) -> Decimal:
-    """Return ``n`` x 1e-10 as a 10-place Decimal (the amounts' quantum)."""
-    return Decimal(n).scaleb(-10, context=EXACT)
+    return lines_in_last_places(units, f)
 
 
 def rate_on_demand(batch: _Batch, f: UsageFacts, sub: Subscription | None) -> Rating:
