@@ -125,11 +125,9 @@ class LoadShare:
                               maxlen=ROUTES_MAXLEN, approximate=True)
                     pipe.pexpire(self.routes_key, int(ROUTES_WARM_S * 1000))
                     # the last placement of a block wins: where that prefix was sent last
-                    placed = dict(routed)
-                    pipe.mset({self._placed_key(block): engine_id
-                               for block, engine_id in placed.items()})
-                    for block in placed:
-                        pipe.pexpire(self._placed_key(block), int(ROUTES_WARM_S * 1000))
+                    for block, engine_id in dict(routed).items():
+                        pipe.set(self._placed_key(block), engine_id,
+                                 px=int(ROUTES_WARM_S * 1000))
                     await pipe.execute()
             except (redis.exceptions.RedisError, OSError):
                 pass  # placements are hints: lost ones cost cache hits, never a request
