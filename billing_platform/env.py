@@ -163,18 +163,38 @@ ORG_CONCURRENCY_LEASE_S: float = env.float("TOLLGATE_ORG_CONCURRENCY_LEASE_S", d
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)
-# Batch lines start only while an engine's running requests (its interactive ones included)
-# stay below this share of its slots; interactive traffic keeps the rest. 1/16: on the 2-core
-# bench, where engines, gateway and batch worker share the CPU, 1/8 cost interactive TTFT p99
-# about 10 % (16,000 requests: ratio 1.10, 90 % interval 1.06-1.16) and 1/16 nothing
-# measurable (0.98, 0.95-1.02) (bench/batch_interference.py); raise it where engines run on
-# their own GPUs.
+# Batch lines fill the engines' slots as interactive latency allows (gateway/batch/guard.py).
+# The floor: the share of each engine's slots batch may fill (interactive requests count
+# against it) while interactive traffic runs and its TTFT has not shown that more costs
+# nothing. 1/16: on the 2-core bench, where engines, gateway and batch worker share the CPU,
+# a fixed 1/8 cost interactive TTFT p99 about 10 % (16,000 requests: ratio 1.10, 90 % interval
+# 1.06-1.16) and 1/16 nothing measurable (0.98, 0.95-1.02) (bench/batch_interference.py).
+# 1.0: no guard at all (every slot, whatever interactive traffic gets).
 BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTION",
                                               default=0.0625)
-# Batch lines start only while the batch worker's host was less busy than this share of its
-# CPUs (the worker's own use not counted) over the last probe: where gateway, engines and batch
-# worker share a machine, the CPU is part of the spare capacity batch may use. 1.0 turns the
-# check off (a worker on a host of its own never comes near it).
+# Slots of each engine batch leaves free on an idle fleet (no interactive request for
+# BATCH_IDLE_S), for the first interactive arrivals: the guard falls to the floor at the next
+# probe once they are there.
+BATCH_FREE_SLOTS: int = env.int("TOLLGATE_BATCH_FREE_SLOTS", default=1)
+BATCH_IDLE_S: float = env.float("TOLLGATE_BATCH_IDLE_S", default=2.0)
+# Above the floor, the share grows by this much of each engine's slots at a time, each step
+# judged on the TTFT of the interactive requests after it (at least BATCH_TTFT_WINDOW_S of
+# them and BATCH_TTFT_MIN_SAMPLES requests), and only while their mean TTFT stays within
+# BATCH_TTFT_TOLERANCE of the baseline (the TTFT at the floor); the last window above it, or
+# any engine queueing, takes the share back to the floor at once.
+BATCH_GROW_FRACTION: float = env.float("TOLLGATE_BATCH_GROW_FRACTION", default=0.0625)
+BATCH_TTFT_TOLERANCE: float = env.float("TOLLGATE_BATCH_TTFT_TOLERANCE", default=0.05)
+BATCH_TTFT_WINDOW_S: float = env.float("TOLLGATE_BATCH_TTFT_WINDOW_S", default=0.6)
+BATCH_TTFT_MIN_SAMPLES: int = env.int("TOLLGATE_BATCH_TTFT_MIN_SAMPLES", default=20)
+# How often a gateway process adds the interactive TTFTs it measured to Redis, for that guard
+# (gateway/ttft_signal.py): one pipelined write per interval while it has traffic.
+TTFT_SIGNAL_FLUSH_S: float = env.float("TOLLGATE_TTFT_SIGNAL_FLUSH_S", default=0.2)
+# While interactive requests run, batch lines start only while the batch worker's host was
+# less busy than this share of its CPUs (the worker's own use not counted) over the last probe:
+# where gateway, engines and batch worker share a machine, the CPU is part of the spare
+# capacity batch may use, and a busy host is interference before the TTFT window shows it. On
+# an idle fleet it does not apply (nothing to protect). 1.0 turns the check off (a worker on a
+# host of its own never comes near it).
 BATCH_HOST_CPU_CEILING: float = env.float("TOLLGATE_BATCH_HOST_CPU_CEILING", default=0.75)
 # Where that check reads the host's CPU counters (the kernel's format; a test points it at a
 # file it writes, so what it asserts does not depend on what else the machine runs).

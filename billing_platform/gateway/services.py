@@ -24,6 +24,7 @@ from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import RateLimited
 from billing_platform.gateway import pipeline
 from billing_platform.gateway.db_connections import in_thread
+from billing_platform.gateway.ttft_signal import note as ttft_note
 from billing_platform.gateway.validation import InferenceRequest
 from engine_adapter.client import EngineCall
 from engine_adapter.registry import get_fleet
@@ -296,7 +297,11 @@ class _Accounting:
 
         Two independent round trips (the usage stream, the quota counters), so neither waits
         for the other; both always run, and an append that failed still raises afterwards.
+        An interactive request's TTFT also goes to the batch guard's signal (no round trip).
         """
+        if result is not None and result.ttft_ms is not None and result.status == "ok" and (
+                self.tier != "batch"):
+            ttft_note(self.model, result.ttft_ms)
         outcomes = await asyncio.gather(_append(self._event(engine, result)),
                                         pipeline.request_settle(self.ticket, result),
                                         return_exceptions=True)

@@ -358,9 +358,10 @@ def test_saturated_engines_get_no_batch_line_until_traffic_stops(
 
 class FakeHost:
     """A host's CPU counters in /proc/stat's format, advanced by a thread: every core busy or
-    every core idle, as the test says. The worker reads them (TOLLGATE_BATCH_HOST_STAT), so
-    what the test asserts does not depend on what else this machine runs (a suite under load
-    kept the real host busy after the test's own busy loops stopped, and the batch waited)."""
+    every core idle, as the test says (``test_batch_guard.py``). The worker reads them
+    (TOLLGATE_BATCH_HOST_STAT), so what the test asserts does not depend on what else this
+    machine runs (a suite under load kept the real host busy after the test's own busy loops
+    stopped, and the batch waited)."""
 
     CORES = 64  # the worker's own CPU use, left out of "others", is a sliver of this host
 
@@ -388,29 +389,6 @@ class FakeHost:
             else:
                 self.idle += ticks
             self.write()
-
-
-def test_a_host_with_busy_cpus_gets_no_batch_line_until_they_are_free(
-        stack, celery_worker_process, tmp_path):
-    # given engines with plenty of free slots, on a host whose every core is busy with other
-    # work (as a gateway and engines at full load keep a shared host busy)
-    host = FakeHost(str(tmp_path / "stat"))
-    try:
-        client, batch = _start_under_a_worker(stack, celery_worker_process, lines=20,
-                                              TOLLGATE_BATCH_HOST_CPU_CEILING="0.9",
-                                              TOLLGATE_BATCH_HOST_STAT=host.path)
-        # when the runner has been looking for spare capacity for a while
-        runner_kept_looking(batch.id)
-        # then it claimed no line: the engines' free slots are not spare while the CPU is not
-        assert not BatchLine.objects.filter(batch__public_id=batch.id, attempts__gt=0).exists()
-
-        # when the cores are free again, the batch runs to the end
-        host.busy = False
-        done = wait_status(client, batch.id, ("completed",), timeout=60)
-        assert done.request_counts.completed == 20
-    finally:
-        host.stop.set()
-        host.thread.join()
 
 
 def test_host_cpu_counts_what_others_kept_busy(tmp_path):

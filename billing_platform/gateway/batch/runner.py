@@ -1,9 +1,11 @@
 """Run a batch's lines through the fleet in the troughs.
 
 One run is a time slice of one Celery task: it asks the engine adapter how much spare room the
-model's engines have (scraped live), sends that many lines at the lowest SGLang priority,
-and asks again as they finish; outcomes are recorded in groups. With no spare room it sends
-nothing and waits; interactive traffic always has the engines first.
+model's engines have (scraped live) and the guard (``guard.py``) how much of it batch may take
+now (most of it on an idle fleet, a floor while interactive TTFT says batch costs it), sends
+that many lines at the lowest SGLang priority, and asks again as they finish; outcomes are
+recorded in groups. With no spare room it sends nothing and waits; interactive traffic always
+has the engines first.
 
 Each line passes the same request pipeline as a /v1 request (``gateway/pipeline.py``: placement,
 output bound, admission at the batch tier, the engine call, settlement, the Redis-down rule);
@@ -27,24 +29,20 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
+from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import InvalidRequest, Unavailable
-from billing_platform.gateway import pipeline
+from billing_platform.gateway import pipeline, ttft_signal
 from billing_platform.gateway.batch import services as batch_services
+from billing_platform.gateway.batch.guard import Scavenger, batch_share, scavenger_for
 from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
 from billing_platform.gateway.batch.standing import Standing, batch_standing
 from billing_platform.gateway.batch.validation import ENDPOINTS, LineRequest
 from billing_platform.gateway.models import Batch, BatchLine, BatchStatus, LineState
 from billing_platform.gateway.services import usage_event
 from engine_adapter.registry import Fleet
-from engine_adapter.types import (
-    EngineBadRequest,
-    EngineError,
-    EngineInfo,
-    NoCapacity,
-    low_priority_share,
-)
+from engine_adapter.types import EngineBadRequest, EngineError, EngineInfo, NoCapacity
 from plans import admission as quota
 
 log = logging.getLogger(__name__)
@@ -333,9 +331,10 @@ class _Pipeline:
 async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
     """Keep the engines' spare room filled with lines until the deadline or the end.
 
-    A live scrape of the engines every PROBE_EVERY_S (``EngineClient.aloads``) says how many
-    lines may be in flight (``low_priority_share``: a fraction of the engines' slots, less
-    what interactive traffic uses), and none at all while this host's CPUs were busier than
+    A probe every PROBE_EVERY_S (``_probe``: the interactive TTFT signal, a live scrape of
+    the engines, the host's CPU) says how many lines may be in flight (``guard.batch_share``:
+    the share of the engines' slots the guard allows, less what interactive traffic uses),
+    and none at all while interactive requests run on a host whose CPUs were busier than
     BATCH_HOST_CPU_CEILING since the last probe (``HostCpu``); in between, a finished line
     is replaced at once while that share allows, so engines are neither scraped per line
     (their /metrics is not cheap) nor left idle until the next scrape. Outcomes are written
@@ -351,9 +350,9 @@ async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
     lines = _Pipeline(batch, fleet=fleet)
     why = "slice"
     next_beat = next_probe = 0.0
-    share = 0  # how many lines may be in flight, as of the last probe
-    host, ceiling = HostCpu(settings.BATCH_HOST_STAT), settings.BATCH_HOST_CPU_CEILING
-    held = probes = 0
+    share = peak = 0  # how many lines may be in flight, as of the last probe; the most seen
+    host, guard = HostCpu(settings.BATCH_HOST_STAT), scavenger_for(batch.model)
+    counts_before = dict(guard.counts)
     try:
         while time.monotonic() < deadline and lines.stop is None:
             if time.monotonic() >= next_beat:
@@ -369,16 +368,9 @@ async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
             if time.monotonic() >= next_probe:
                 # lines just started may not have reached their engine: let them be counted
                 await asyncio.sleep(lines.started_at + SEND_GRACE_S - time.monotonic())
-                probes += 1
-                if ceiling < 1.0 and (busy := await host.abusy()) is not None and (
-                        busy >= ceiling):
-                    share, held = 0, held + 1  # the host's CPU has no trough to fill
-                else:
-                    await fleet.arefresh_if_stale()
-                    loads = await fleet.client.aloads(
-                        _healthy(fleet, batch.model, lines.regions))
-                    share = low_priority_share(loads.values(), ours=len(lines.flying),
-                                               fraction=settings.BATCH_MAX_RUNNING_FRACTION)
+                share = await _probe(guard, host, fleet=fleet, model=batch.model,
+                                     regions=lines.regions, ours=len(lines.flying))
+                peak = max(peak, share)
                 next_probe = time.monotonic() + PROBE_EVERY_S
             await lines.start(share - len(lines.flying))
             if lines.drained and not lines.waiting and not lines.flying:
@@ -391,8 +383,10 @@ async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
             await lines.write()
     finally:
         await lines.close()
-        log.info("batch %s: slice ended (%s); host CPU held lines back at %d of %d probes",
-                 batch.public_id, why, held, probes)
+        probes = {k: n - counts_before.get(k, 0) for k, n in guard.counts.items()
+                  if n > counts_before.get(k, 0)}
+        log.info("batch %s: slice ended (%s); at most %d lines in flight; probes by what the "
+                 "guard decided: %s", batch.public_id, why, peak, probes)
     if lines.halt is not None:
         await sync_to_async(batch_services.batch_fail)(batch_id=batch_id, error=lines.halt)
         return why
@@ -401,6 +395,33 @@ async def _slice(batch: Batch, *, fleet: Fleet, deadline: float) -> str:
                                                              error=lines.stop.error)
         return "drained"
     return why
+
+
+async def _probe(guard: Scavenger, host: HostCpu, *, fleet: Fleet, model: str,
+                 regions: set[str] | None, ours: int) -> int:
+    """Return how many of this runner's lines may be in flight now (``ours`` are).
+
+    One read of the interactive TTFT signal, the host's CPU while interactive traffic runs,
+    one live scrape of the model's engines; the guard (``guard.Scavenger``) turns them into a
+    share of the engines' slots, and a host whose CPUs are busy gets no line at all.
+    """
+    now = time.time()
+    try:
+        slots = await ttft_signal.aslots(model, seconds=guard.lookback_s, now=now)
+    except (RedisError, OSError):
+        slots = None  # the guard holds batch at its floor
+    busy = None
+    if slots is not None and guard.cpu_ceiling < 1.0 and guard.traffic(slots, now):
+        busy = await host.abusy()
+    await fleet.arefresh_if_stale()
+    loads = await fleet.client.aloads(_healthy(fleet, model, regions))
+    fraction = guard.decide(slots, queued=any(load is not None and load.queued > 0
+                                              for load in loads.values()),
+                            host_busy=busy, now=now)
+    if guard.reason == "host_cpu":
+        return 0  # the host's CPU has no trough to fill
+    return batch_share(loads.values(), fraction=fraction, floor=guard.floor,
+                       free_slots=settings.BATCH_FREE_SLOTS, ours=ours)
 
 
 def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineInfo]:
