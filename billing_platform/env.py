@@ -212,6 +212,12 @@ PERIOD_CLOSE_S: float = env.float("TOLLGATE_PERIOD_CLOSE_S", default=900.0)
 GATEWAY_DEFAULT_MAX_TOKENS: int = env.int("TOLLGATE_DEFAULT_MAX_TOKENS", default=4096)
 GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FACTOR",
                                                    default=4.0)
+# Reserved capacity (gateway/capacity.py): one running request's decode rate assumed for an
+# engine that has not measured its own yet (tokens/s; low, so a pool holds back too much
+# rather than too little), and how long a process keeps the reservations in force.
+PROVISIONED_SLOT_DECODE_TOKENS_PER_S: float = env.float(
+    "TOLLGATE_PROVISIONED_SLOT_DECODE_TOKENS_PER_S", default=20.0)
+PROVISIONED_SHARES_TTL_S: float = env.float("TOLLGATE_PROVISIONED_SHARES_TTL_S", default=5.0)
 # Days a stored Responses API answer is kept (gateway/response_store.py), and how often the
 # beat deletes the expired ones.
 RESPONSES_RETENTION_DAYS: int = env.int("TOLLGATE_RESPONSES_RETENTION_DAYS", default=30)

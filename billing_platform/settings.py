@@ -303,6 +303,9 @@ BATCH_COMPLETION_WINDOWS = {"24h": 24 * 3600}
 # real bounds); priority is downgraded when every engine queues this many batches of requests.
 GATEWAY_DEFAULT_MAX_TOKENS = E.GATEWAY_DEFAULT_MAX_TOKENS
 GATEWAY_SATURATION_QUEUE_FACTOR = E.GATEWAY_SATURATION_QUEUE_FACTOR
+# Reserved capacity held back from on-demand traffic (gateway/capacity.py).
+PROVISIONED_SLOT_DECODE_TOKENS_PER_S = E.PROVISIONED_SLOT_DECODE_TOKENS_PER_S
+PROVISIONED_SHARES_TTL_S = E.PROVISIONED_SHARES_TTL_S
 # Responses API: days a stored answer (store: true) is kept for previous_response_id and GET.
 RESPONSES_RETENTION_DAYS = E.RESPONSES_RETENTION_DAYS
 # Quotas: admission reservations of crashed requests expire after this; each process caches

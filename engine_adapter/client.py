@@ -73,9 +73,26 @@ class EngineClient:
         self._http = http11.Pool(connect_timeout=connect_timeout, write_timeout=10.0,
                                  pool_timeout=10.0, max_connections=max_connections)
         self._max_running: dict[str, int | None] = {}  # engine URL -> its running cap
+        # this process's calls in flight per (engine id, priority sent): what runs above a
+        # priority is told apart from what runs below it (the gateway's hold-back of
+        # reserved capacity counts the requests below the reserved ones' priority)
+        self._by_priority: dict[tuple[str, int], int] = {}
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def inflight_below(self, engine_id: str, priority: int) -> int:
+        """Return this process's calls in flight on ``engine_id`` sent below ``priority``."""
+        return sum(n for (eid, p), n in self._by_priority.items()
+                   if eid == engine_id and p < priority)
+
+    def _count(self, engine_id: str, priority: int, delta: int) -> None:
+        key = (engine_id, priority)
+        n = self._by_priority.get(key, 0) + delta
+        if n > 0:
+            self._by_priority[key] = n
+        else:
+            self._by_priority.pop(key, None)
 
     async def aloads(self, engines: list[EngineInfo], *, timeout: float = 1.0
                      ) -> dict[str, EngineLoad | None]:
@@ -152,6 +169,7 @@ class EngineCall:
         self.prompt_text = prompt_text
         self.allowed_regions = allowed_regions
         self.streaming = bool(body.get("stream"))
+        self.priority = int(body.get("priority") or 0)
         self.body: dict[str, Any] | None = None
         self.result: CallResult | None = None
         self._response: http11.Response | None = None
@@ -181,6 +199,7 @@ class EngineCall:
                 break  # every candidate failed; report the engine's failure below
             engine = decision.engine
             self.tried.append(engine)
+            self.client._count(engine.engine_id, self.priority, 1)
             held = True  # the router counts this request on the engine until it is released
             try:
                 response = await self._send(engine)
@@ -205,6 +224,7 @@ class EngineCall:
                     await self._close()
                 elif held:
                     router.release(engine.engine_id)
+                    self.client._count(engine.engine_id, self.priority, -1)
             failed.append(engine.engine_id)
         if isinstance(last_error, EngineTimeout):
             raise last_error
@@ -357,6 +377,7 @@ class EngineCall:
             # the request. A finished, fully read response goes back to the pool instead.
             await self._response.aclose()
             self.client.router.release(self._engine.engine_id)
+            self.client._count(self._engine.engine_id, self.priority, -1)
         now = time.monotonic()
         result.total_ms = (now - self._t0) * 1000
         if self._first_token_at is not None:

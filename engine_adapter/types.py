@@ -47,6 +47,9 @@ class EngineLoad:
     queued: int = 0
     token_usage: float = 0.0  # fraction of KV cache in use; a gauge, never money
     max_running: int | None = None
+    # generated tokens per second of ONE running request (1 / the engine's mean time per
+    # output token, from its own counters); None until it has finished a request
+    decode_tokens_per_s: float | None = None
 
     @classmethod
     def from_metrics(cls, raw: dict[str, float], *, max_running: int | None = None
@@ -55,7 +58,8 @@ class EngineLoad:
         metrics lack the engine's running cap (SGLang's do)."""
         return cls(running=int(raw.get("running", 0)), queued=int(raw.get("queued", 0)),
                    token_usage=float(raw.get("token_usage", 0.0)),
-                   max_running=int(raw.get("max_running") or 0) or max_running)
+                   max_running=int(raw.get("max_running") or 0) or max_running,
+                   decode_tokens_per_s=float(raw.get("decode_tokens_per_s") or 0) or None)
 
     def low_priority_slots(self, *, fraction: float, default_max_running: int = 64) -> int:
         """Return how many of the engine's running slots low-priority work may fill (>= 1)."""

@@ -37,6 +37,7 @@ REASONS = {
     "provisioned": "Provisioned capacity full (overflow rejected)",
     "too_many_concurrent_requests": "Concurrent requests limit",
     "resource_unavailable": "No spare flex capacity",
+    "pool_at_capacity": "On-demand share of a pool with reservations in use",
     "rate_limit_exceeded": "Rate limit",
 }
 

@@ -163,6 +163,28 @@ def active_reservations(*, organization_id: int, at: datetime | None = None
                                       ends_at__gt=at)
 
 
+@dataclass(frozen=True)
+class ReservedShare:
+    """The reservations in force on one model in one region, all organizations together:
+    ``(normalized tokens per minute, output burndown)`` of each."""
+
+    model: str
+    region: str
+    reservations: tuple[tuple[int, Decimal], ...]
+
+
+def reserved_shares(*, at: datetime | None = None) -> list[ReservedShare]:
+    """Return what is reserved now on each (model, region) that has a reservation in force:
+    the share of a pool's capacity held back from on-demand traffic."""
+    at = at or timezone.now()
+    rows: dict[tuple[str, str], list[tuple[int, Decimal]]] = {}
+    for model, region, units, per_unit, burndown in Reservation.objects.filter(
+            starts_at__lte=at, ends_at__gt=at).values_list(
+            "model", "region", "units", "tokens_per_minute_per_unit", "output_burndown"):
+        rows.setdefault((model, region), []).append((units * per_unit, burndown))
+    return [ReservedShare(model, region, tuple(r)) for (model, region), r in sorted(rows.items())]
+
+
 def reservation_fee_for_period(*, reservation: Reservation, period_start: datetime,
                                period_end: datetime) -> Decimal:
     """Return the fee of the reservation's terms that start in [period_start, period_end).

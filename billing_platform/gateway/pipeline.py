@@ -62,8 +62,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # SGLang with --enable-priority-scheduling runs larger priority values first; batch lines sit
-# below flex, the lowest of all, so interactive traffic always has the engines first.
-ENGINE_PRIORITY = {"priority": 10, "default": 0, "flex": -10, "batch": -20}
+# below flex, the lowest of all, so interactive traffic always has the engines first. A
+# request admitted on its organization's reservation ("provisioned", whatever its tier) runs
+# above the priority tier: a reservation is capacity bought ahead, the priority tier a premium
+# on shared capacity (downgraded when the pool is saturated), as Azure's PTU traffic runs
+# ahead of pay-as-you-go; its spillover runs at its tier's priority (``engine_priority``).
+ENGINE_PRIORITY = {"provisioned": 20, "priority": 10, "default": 0, "flex": -10, "batch": -20}
 # The engine endpoint of each request kind.
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
          "embedding": "/v1/embeddings"}
@@ -218,8 +222,15 @@ def engine_regions(placement: Placement, ticket: quota.Ticket | None) -> set[str
     return placement.regions
 
 
+def engine_priority(tier: str, ticket: quota.Ticket | None) -> int:
+    """Return the engine priority of a request: its reservation's when admitted on one."""
+    provisioned = ticket is not None and ticket.capacity == "provisioned"
+    return ENGINE_PRIORITY["provisioned" if provisioned else tier]
+
+
 def engine_call(client: EngineClient, *, principal: KeyPrincipal, req: InferenceRequest,
-                regions: set[str] | None, tier: str, request_id: str) -> EngineCall:
+                regions: set[str] | None, tier: str, request_id: str,
+                ticket: quota.Ticket | None = None) -> EngineCall:
     """Return the (not yet started) engine call of a request.
 
     The organization's own cache namespace keeps prefix reuse inside one tenant; ``regions``
@@ -227,7 +238,7 @@ def engine_call(client: EngineClient, *, principal: KeyPrincipal, req: Inference
     """
     return client.call(model=req.model, path=PATHS[req.kind], body=req.engine_body,
                        namespace=principal.org_public_id, prompt_text=req.prompt_text,
-                       allowed_regions=regions, priority=ENGINE_PRIORITY[tier],
+                       allowed_regions=regions, priority=engine_priority(tier, ticket),
                        request_id=request_id)
 
 

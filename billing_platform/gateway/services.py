@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import RateLimited
-from billing_platform.gateway import pipeline
+from billing_platform.gateway import capacity, pipeline
 from billing_platform.gateway.db_connections import in_thread
 from billing_platform.gateway.ttft_signal import note as ttft_note
 from billing_platform.gateway.validation import InferenceRequest
@@ -330,11 +330,15 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
                              user=req.user)
     call = pipeline.engine_call(get_fleet().client, principal=principal, req=req,
                                 regions=pipeline.engine_regions(placement, ticket), tier=tier,
-                                request_id=request_id)
+                                request_id=request_id, ticket=ticket)
     try:
         # inside the try: a request cancelled here still gives its admission back
+        reserved = await capacity.areserved()
         await get_fleet().aroute_lookup(namespace=principal.org_public_id,
                                         prompt_text=req.prompt_text)
+        if call.priority < capacity.PROVISIONED_PRIORITY:  # no await from here to routing
+            call.allowed_regions = capacity.on_demand_regions(
+                get_fleet(), model=req.model, regions=call.allowed_regions, reserved=reserved)
         await call.__aenter__()
     except NoCapacity as exc:
         # Offered here, but no engine of it is up in the allowed regions: retry, never
@@ -345,7 +349,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     except EngineError as exc:
         await accounting.failed_before_output(call.tried[-1] if call.tried else None)
         raise pipeline.engine_failure(exc, req=req, headers=dict(rate_headers)) from exc
-    except BaseException:
+    except BaseException:  # RateLimited (no on-demand share left) too: never ran, not billed
         await pipeline.request_settle(ticket, None)
         raise
     engine = call.tried[-1]
