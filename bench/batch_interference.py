@@ -6,6 +6,11 @@ goal: both at most 1.10) and how many batch lines ran while the "with" phase was
 The two phases alternate in short rounds (the batch worker paused with SIGSTOP for "without")
 so that drift in the machine's other load falls on both alike.
 
+First, on the same engines with no interactive traffic at all, it measures how fast a batch
+runs with the guard (``gateway/batch/guard.py``: the fleet is idle, batch may fill it) and with
+no guard (every slot, no TTFT or host-CPU check), in alternating slices of a runner in this
+process: ``batch_idle_fill_ratio`` is guarded / unguarded lines per second (goal: at least 0.8).
+
     .venv/bin/python bench/batch_interference.py [--requests 4000] [--concurrency 4]
 
 Each ratio comes with a 90 % bootstrap interval (``ttft_ratio_90pct_interval``): at 4,000
@@ -196,6 +201,61 @@ def setup_platform(sims) -> str:
     return secret
 
 
+def batch_lines(n: int, prefix: str = "b") -> bytes:
+    return b"".join(json.dumps({
+        "custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "max_tokens": 16, "messages": [
+            {"role": "user", "content": f"Batch item {prefix}{i}: summarise."}]}}).encode()
+        + b"\n" for i in range(n))
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def idle_fill(client, *, rounds: int, slice_s: float, lines: int) -> dict[str, list[float]]:
+    """Run one batch on the idle fleet in alternating slices of this process's runner, with
+    the guard and with none (floor 1.0: every slot; no host-CPU check); return each kind's
+    lines per second, slice by slice. No interactive request runs meanwhile, and the batch
+    worker is not started yet; the batch is cancelled afterwards."""
+    from django.conf import settings
+
+    from billing_platform.gateway.batch import runner
+    from billing_platform.gateway.batch import services as batch_services
+    from billing_platform.gateway.batch.guard import scavengers_forget
+    from billing_platform.gateway.models import Batch, BatchLine, LineState
+
+    file = client.files.create(file=("idle.jsonl", io.BytesIO(batch_lines(lines, "i"))),
+                               purpose="batch")
+    created = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    pk = Batch.objects.get(public_id=created.id).pk
+    batch_services.batch_validate(batch_id=pk)
+    guarded = (settings.BATCH_MAX_RUNNING_FRACTION, settings.BATCH_HOST_CPU_CEILING)
+    kinds = {"guarded": guarded, "unguarded": (1.0, 1.0)}
+    out: dict[str, list[float]] = {kind: [] for kind in kinds}
+
+    def completed() -> int:
+        return BatchLine.objects.filter(batch_id=pk, state=LineState.COMPLETED).count()
+
+    try:
+        runner.batch_run(batch_id=pk, slice_s=1.0)  # warm: connections, the fleet view
+        for i in range(rounds):
+            order = list(kinds) if i % 2 == 0 else list(kinds)[::-1]
+            for kind in order:
+                settings.BATCH_MAX_RUNNING_FRACTION, settings.BATCH_HOST_CPU_CEILING = kinds[kind]
+                scavengers_forget()
+                before, t0 = completed(), time.monotonic()
+                runner.batch_run(batch_id=pk, slice_s=slice_s)
+                out[kind].append((completed() - before) / (time.monotonic() - t0))
+                log(f"idle fleet, {kind}: {out[kind][-1]:.0f} lines/s")
+    finally:
+        settings.BATCH_MAX_RUNNING_FRACTION, settings.BATCH_HOST_CPU_CEILING = guarded
+        scavengers_forget()
+        client.batches.cancel(created.id)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=4000)
@@ -204,6 +264,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
     p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--idle-rounds", type=int, default=3,
+                   help="idle-fleet slices of each kind (guarded, unguarded); 0: skip")
+    p.add_argument("--idle-slice-s", type=float, default=5.0)
     p.add_argument("--calibrate", action="store_true",
                    help="keep the batch paused in both phases: the ratios then show the "
                         "bench's own noise (an A/A run)")
@@ -218,28 +281,29 @@ def main() -> None:
                       prefill_tokens_per_s=200_000,
                       decode_tokens_per_s=args.decode_tokens_per_s)
             for _ in range(2)]
-    secret = setup_platform(sims)
     files_dir = tempfile.mkdtemp(prefix="tollgate-batch-bench-")
-    # DEBUG off, as in production: Django's debug cursor records every query it runs
-    env = {**os.environ, "DEBUG": "0", "TOLLGATE_FILES_DIR": files_dir,
-           "TOLLGATE_BATCH_SWEEP_S": "5",
-           "TOLLGATE_USAGE_STREAM": f"tg:usage:bench:{uuid.uuid4().hex[:8]}",
-           "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_FLEET_REFRESH_S": "1"}
+    # DEBUG off, as in production: Django's debug cursor records every query it runs. This
+    # process runs the idle-fleet slices itself, under the same settings.
+    os.environ.update({"DEBUG": "0", "TOLLGATE_FILES_DIR": files_dir,
+                       "TOLLGATE_BATCH_SWEEP_S": "5",
+                       "TOLLGATE_USAGE_STREAM": f"tg:usage:bench:{uuid.uuid4().hex[:8]}",
+                       "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_FLEET_REFRESH_S": "1"})
+    env = dict(os.environ)
+    secret = setup_platform(sims)
+    from django.conf import settings as live
+
+    # this process read billing_platform/env.py on import, before the lines above
+    live.FILES_DIR, live.DEBUG = files_dir, False
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
          "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
          "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
-    worker_log = open(Path(files_dir) / "worker.log", "wb")  # noqa: SIM115
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "billing_platform",
-         "worker", "-Q", "batch", "--concurrency", "1", "-l", "WARNING", "--without-gossip",
-         "--without-mingle", "-n", f"batch-bench-{os.getpid()}@%h"],
-        cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=background_priority)
     gw = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{gw}/v1", api_key=secret, max_retries=2)
     batch_id = None
+    worker = None
+    idle: dict[str, list[float]] = {"guarded": [], "unguarded": []}
     try:
         for _ in range(150):
             try:
@@ -247,14 +311,20 @@ def main() -> None:
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        if args.idle_rounds:
+            idle = idle_fill(client, rounds=args.idle_rounds, slice_s=args.idle_slice_s,
+                             lines=args.lines)
+        worker_log = open(Path(files_dir) / "worker.log", "wb")  # noqa: SIM115
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "billing_platform",
+             "worker", "-Q", "batch", "--concurrency", "1", "-l", "INFO", "--without-gossip",
+             "--without-mingle", "-n", f"batch-bench-{os.getpid()}@%h"],
+            cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=background_priority)
         url = f"{gw}/v1/chat/completions"
         asyncio.run(ttfts(url, secret, requests=50, concurrency=args.concurrency))  # warm-up
-        lines = b"".join(json.dumps({
-            "custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "max_tokens": 16, "messages": [
-                {"role": "user", "content": f"Batch item {i}: summarise."}]}}).encode() + b"\n"
-            for i in range(args.lines))
-        file = client.files.create(file=("bench.jsonl", io.BytesIO(lines)), purpose="batch")
+        file = client.files.create(file=("bench.jsonl", io.BytesIO(batch_lines(args.lines))),
+                                   purpose="batch")
         batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         batch_id = batch.id
@@ -298,6 +368,8 @@ def main() -> None:
             with contextlib.suppress(openai.OpenAIError):
                 client.batches.cancel(batch_id)
         for proc in (worker, gateway):
+            if proc is None:
+                continue
             proc.terminate()
             try:
                 proc.wait(timeout=20)
@@ -319,8 +391,16 @@ def main() -> None:
                             for q in (0.5, 0.9, 0.95, 0.99)}
                     for phase, values in (("without", without), ("with", with_batch))},
         "batch_lines_during_with_phase": ran, "rounds": args.rounds,
+        # idle fleet: batch lines/s with the guard over lines/s with none, same engines
+        "batch_idle_fill_ratio": (round(mean(idle["guarded"]) / mean(idle["unguarded"]), 3)
+                                  if idle["unguarded"] else None),
+        "idle_batch_lines_per_s": {kind: {"mean": round(mean(v), 1) if v else None,
+                                          "slices": [round(x, 1) for x in v]}
+                                   for kind, v in idle.items()},
         "batch_still_running": after.status == "in_progress",
-        "batch_max_running_fraction": settings.BATCH_MAX_RUNNING_FRACTION,
+        "batch_max_running_fraction": settings.BATCH_MAX_RUNNING_FRACTION,  # the guard's floor
+        "batch_free_slots": settings.BATCH_FREE_SLOTS,
+        "batch_ttft_tolerance": settings.BATCH_TTFT_TOLERANCE,
         "worker_priority": "SCHED_IDLE" if hasattr(os, "SCHED_IDLE") else "nice 19",
         "engine_max_running": args.max_running,
         "decode_tokens_per_s": args.decode_tokens_per_s,
