@@ -11,7 +11,11 @@ size at fixed intervals); its throughput is what it got over the span from its f
 its last answer. On-demand clients send closed-loop, twice as many as the engine has slots,
 retrying a refusal after a short pause.
 
-    .venv/bin/python bench/provisioned.py [--seconds 40] [--max-running 16]
+    .venv/bin/python bench/provisioned.py [--seconds 40] [--max-running 16] [--control]
+
+``--control`` runs the saturated phase again on a gateway with the hold-back off
+(``control_without_hold_back``): reserved requests then keep only their engine priority, which
+a non-preempting engine honours only when a slot frees.
 
 Needs PostgreSQL and Redis (DATABASE_URL / REDIS_URL, or ``./tollgate services``).
 """
@@ -240,6 +244,23 @@ async def saturated(url: str, sim_url: str, holder_secret: str, od_secret: str, 
     return result, outcomes, seen
 
 
+def start_gateway(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start the gateway; return it and its chat completions URL once it answers."""
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+         "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+    gw = f"http://127.0.0.1:{port}"
+    for _ in range(150):
+        try:
+            httpx.get(f"{gw}/v1/models", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return gateway, f"{gw}/v1/chat/completions"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=40.0)
@@ -247,6 +268,9 @@ def main() -> None:
     p.add_argument("--decode-tokens-per-s", type=float, default=50.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--units", type=int, default=4)
+    p.add_argument("--control", action="store_true",
+                   help="also run the saturated phase with the hold-back off "
+                        "(TOLLGATE_PROVISIONED_HOLD_BACK=0): what priority alone gives")
     args = p.parse_args()
 
     sim = start_sim(served_model_name=MODEL, max_running_requests=args.max_running,
@@ -259,20 +283,9 @@ def main() -> None:
     env = {**os.environ, "DEBUG": "0",
            "TOLLGATE_USAGE_STREAM": f"tg:usage:bench:{uuid.uuid4().hex[:8]}",
            "TOLLGATE_FLEET_HEALTH_S": "3600", "TOLLGATE_FLEET_REFRESH_S": "1"}
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
-         "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
-    gw = f"http://127.0.0.1:{port}"
-    url = f"{gw}/v1/chat/completions"
+    gateway, url = start_gateway(env)
+    control = None
     try:
-        for _ in range(150):
-            try:
-                httpx.get(f"{gw}/v1/models", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         # the holder sends exactly its reserved normalized tokens per minute: requests of the
         # size the warm-up measured (uncached prompt + output), at the interval that makes
         warm = asyncio.run(holder(url, holder_secret, seconds=3, interval=0.5,
@@ -288,6 +301,14 @@ def main() -> None:
         time.sleep(1)
         busy, outcomes, seen = asyncio.run(saturated(url, sim.base_url, holder_secret,
                                                      od_secret, args=args, interval=interval))
+        if args.control:
+            # the same load on a gateway with the hold-back off: priority scheduling alone
+            gateway.terminate()
+            gateway.wait(timeout=10)
+            time.sleep(2 * args.max_tokens / args.decode_tokens_per_s)  # the engine drains
+            gateway, url = start_gateway({**env, "TOLLGATE_PROVISIONED_HOLD_BACK": "0"})
+            control = asyncio.run(saturated(url, sim.base_url, holder_secret, od_secret,
+                                            args=args, interval=interval))
     finally:
         gateway.terminate()
         gateway.wait(timeout=10)
@@ -316,6 +337,11 @@ def main() -> None:
         "on_demand_queued": 0,  # the gateway refuses past the share; it does not queue
         "engine": {"max_running_requests": args.max_running,
                    "decode_tokens_per_s": args.decode_tokens_per_s, **seen},
+        "control_without_hold_back": None if control is None else {
+            "reserved_ttft_p50_ratio": round(statistics.median(control[0]["ttfts"])
+                                             / idle_p50, 3),
+            "reserved_throughput_ratio": round(control[0]["tpm"] / reserved_tpm, 3),
+            "on_demand": control[1], "engine": control[2]},
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }))
 

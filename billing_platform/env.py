@@ -218,6 +218,10 @@ GATEWAY_SATURATION_QUEUE_FACTOR: float = env.float("TOLLGATE_SATURATION_QUEUE_FA
 PROVISIONED_SLOT_DECODE_TOKENS_PER_S: float = env.float(
     "TOLLGATE_PROVISIONED_SLOT_DECODE_TOKENS_PER_S", default=20.0)
 PROVISIONED_SHARES_TTL_S: float = env.float("TOLLGATE_PROVISIONED_SHARES_TTL_S", default=5.0)
+# Off: reservations keep only their engine priority, on-demand traffic may fill every slot
+# (for engines that preempt running requests for queued ones of a higher priority, and for
+# bench/provisioned.py's control run, which measures what the hold-back buys).
+PROVISIONED_HOLD_BACK: bool = env.bool("TOLLGATE_PROVISIONED_HOLD_BACK", default=True)
 # Days a stored Responses API answer is kept (gateway/response_store.py), and how often the
 # beat deletes the expired ones.
 RESPONSES_RETENTION_DAYS: int = env.int("TOLLGATE_RESPONSES_RETENTION_DAYS", default=30)

@@ -306,6 +306,7 @@ GATEWAY_SATURATION_QUEUE_FACTOR = E.GATEWAY_SATURATION_QUEUE_FACTOR
 # Reserved capacity held back from on-demand traffic (gateway/capacity.py).
 PROVISIONED_SLOT_DECODE_TOKENS_PER_S = E.PROVISIONED_SLOT_DECODE_TOKENS_PER_S
 PROVISIONED_SHARES_TTL_S = E.PROVISIONED_SHARES_TTL_S
+PROVISIONED_HOLD_BACK = E.PROVISIONED_HOLD_BACK
 # Responses API: days a stored answer (store: true) is kept for previous_response_id and GET.
 RESPONSES_RETENTION_DAYS = E.RESPONSES_RETENTION_DAYS
 # Quotas: admission reservations of crashed requests expire after this; each process caches

@@ -159,7 +159,7 @@ def on_demand_regions(fleet: Fleet, *, model: str, regions: set[str] | None,
     leaving out pools whose on-demand share is in use; raise ``RateLimited``
     (``pool_at_capacity``) when that leaves none. Call it right before the engine call is
     routed, with no await in between."""
-    if model not in reserved:
+    if model not in reserved or not settings.PROVISIONED_HOLD_BACK:
         return regions
     full = {s.region for s in pool_shares(fleet, model, reserved) if s.room <= 0}
     if not full or (regions is not None and not regions & full):
