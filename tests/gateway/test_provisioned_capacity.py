@@ -6,12 +6,14 @@ per request) that a long stream stays in flight while the test sends its next re
 reservation of 1,000 normalized tokens per minute (output burndown 1) holds one of the two
 slots (a slot serves at least 60 x 20 x 1 = 1,200 normalized tokens a minute), leaving one to
 on-demand traffic. Nothing here is timed: a request is known to be in flight once its first
-chunk arrived, and it runs for minutes unless closed.
+chunk arrived, and it runs for minutes unless closed; a request is known to be queued once the
+engine says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from decimal import Decimal
 
@@ -22,25 +24,42 @@ from billing_platform.gateway.capacity import held_slots
 from engine_adapter.services import fleet_health_check
 from engine_adapter.sim.testing import start_sim
 from plans import services as plan_services
+from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_offering
 from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
+
+
+@contextmanager
+def _pool(tmp_path, metering_stream, *, slots: int, env: dict | None = None):
+    from tests.factories import make_price_book
+
+    make_price_book(prices=[{"model": "small", "input": "0.50", "output": "1.50"}])
+    sim = start_sim(served_model_name="small", max_running_requests=slots,
+                    decode_tokens_per_s=20, prefill_tokens_per_s=1_000_000)
+    register_engine(sim, pool="small-us", region="us-east", zone="us")
+    fleet_health_check(restart=False)  # records the engine's running cap, as the beat does
+    gateway = start_gateway(tmp_path, env={**metering_stream, **(env or {})})
+    gateway.sims = {"us": sim}
+    try:
+        yield gateway
+    finally:
+        stop_gateway(gateway)
+        sim.stop()
 
 
 @pytest.fixture
 def slow_pool(transactional_db, tmp_path, metering_stream):
     """A gateway in front of one slow two-slot engine of ``small`` (us-east)."""
-    from tests.factories import make_price_book
+    with _pool(tmp_path, metering_stream, slots=2) as gateway:
+        yield gateway
 
-    make_price_book(prices=[{"model": "small", "input": "0.50", "output": "1.50"}])
-    sim = start_sim(served_model_name="small", max_running_requests=2,
-                    decode_tokens_per_s=20, prefill_tokens_per_s=1_000_000)
-    register_engine(sim, pool="small-us", region="us-east", zone="us")
-    fleet_health_check(restart=False)  # records the engine's running cap, as the beat does
-    gateway = start_gateway(tmp_path, env=metering_stream)
-    gateway.sims = {"us": sim}
-    yield gateway
-    stop_gateway(gateway)
-    sim.stop()
+
+@pytest.fixture
+def one_slot_no_hold_back(transactional_db, tmp_path, metering_stream):
+    """One slow one-slot engine, behind a gateway that holds nothing back (priority only)."""
+    with _pool(tmp_path, metering_stream, slots=1,
+               env={"TOLLGATE_PROVISIONED_HOLD_BACK": "0"}) as gateway:
+        yield gateway
 
 
 def _secret(org) -> str:
@@ -79,8 +98,12 @@ def _in_flight(gateway, secret: str) -> Iterator[httpx.Response]:
         yield response
 
 
+def _engine_stats(gateway) -> dict:
+    return httpx.get(f"{gateway.sims['us'].base_url}/sim/stats").json()
+
+
 def _engine_priority(gateway, request_id: str) -> int:
-    order = httpx.get(f"{gateway.sims['us'].base_url}/sim/stats").json()["start_order"]
+    order = _engine_stats(gateway)["start_order"]
     return next(s["priority"] for s in order if s["rid"] == request_id)
 
 
@@ -161,6 +184,33 @@ def test_spillover_runs_at_on_demand_priority(slow_pool):
     assert spilled.status_code == 200
     assert spilled.headers["x-tollgate-capacity"] == "spillover"
     assert _engine_priority(slow_pool, spilled.headers["x-request-id"]) == 0
+
+
+def test_a_provisioned_request_starts_before_on_demand_ones_queued_ahead_of_it(
+        one_slot_no_hold_back):
+    gateway = one_slot_no_hold_back
+    holder, other = OrganizationFactory(), OrganizationFactory()
+    _reserve(holder)
+    holder_secret, other_secret = _secret(holder), _secret(other)
+
+    with ThreadPoolExecutor(4) as pool:
+        # given the engine's one slot busy, and two on-demand requests queued behind it
+        with _in_flight(gateway, other_secret):
+            queued = [pool.submit(_chat, gateway, other_secret) for _ in range(2)]
+            wait_until(lambda: _engine_stats(gateway)["queued"] == 2, timeout=30,
+                       what="two on-demand requests queued at the engine")
+            # when a provisioned request arrives after them, and then the slot frees
+            provisioned = pool.submit(_chat, gateway, holder_secret)
+            wait_until(lambda: _engine_stats(gateway)["queued"] == 3, timeout=30,
+                       what="the provisioned request queued too")
+        responses = [f.result() for f in [provisioned, *queued]]
+
+    # then the engine starts the provisioned request first
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert responses[0].headers["x-tollgate-capacity"] == "provisioned"
+    order = [s["rid"] for s in _engine_stats(gateway)["start_order"]]
+    ids = [r.headers["x-request-id"] for r in responses]
+    assert order.index(ids[0]) < min(order.index(i) for i in ids[1:])
 
 
 def test_held_slots_of_reservations():
