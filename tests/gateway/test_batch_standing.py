@@ -62,9 +62,10 @@ def _undo(org) -> None:
 def test_a_batch_stops_when_its_key_org_or_zone_no_longer_allows_it(
         change, code, transactional_db, tmp_path, settings, metering_stream,
         celery_worker_process):
-    # given a worker running a batch of a global organization on a slow engine
+    # given a worker running a batch of a global organization on a slow engine of four slots
+    # (an idle fleet is batch's to fill: on more slots the batch would end before the change)
     sim = start_sim(served_model_name=MODEL, prefill_tokens_per_s=1_000_000,
-                    decode_tokens_per_s=200)
+                    decode_tokens_per_s=200, max_running_requests=4)
     stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream), [sim])
     try:
         org = OrganizationFactory()
