@@ -169,7 +169,8 @@ async def holder(url: str, secret: str, *, seconds: float, interval: float, max_
     span = ends[-1][0] - ends[0][0] if len(ends) > 1 else float("inf")
     steady = sum(tokens for _, tokens in ends[1:])
     return {"ttfts": ttfts, "normalized": normalized, "span_s": span, "sent": n,
-            "failed": failed, "marks": marks, "tpm": steady / (span / 60)}
+            "failed": failed, "marks": marks, "tpm": steady / (span / 60),
+            "steady_per_request": steady / max(1, len(ends) - 1)}
 
 
 def on_demand_process(url: str, secret: str, clients: int, max_tokens: int, seconds: float,
@@ -288,9 +289,10 @@ def main() -> None:
     try:
         # the holder sends exactly its reserved normalized tokens per minute: requests of the
         # size the warm-up measured (uncached prompt + output), at the interval that makes
-        warm = asyncio.run(holder(url, holder_secret, seconds=3, interval=0.5,
+        # (the first request of a phase also fills the cache with the phase's prefix: left out)
+        warm = asyncio.run(holder(url, holder_secret, seconds=6, interval=0.25,
                                   max_tokens=args.max_tokens))
-        per_request = warm["normalized"] / max(1, warm["sent"] - warm["failed"])
+        per_request = warm["steady_per_request"]
         interval = 60.0 * per_request / reserved_tpm
         probe_engine()  # the engine has measured its decode rate now
         time.sleep(2)  # the gateway's fleet view has it
