@@ -264,6 +264,8 @@ class _Accounting:
     capacity: str
     ticket: quota.Ticket | None
     user: str | None = None
+    began: float = 0.0  # monotonic: when the gateway took the request up, and sent it on
+    sent: float = 0.0
     _closing: asyncio.Future[None] | None = None
 
     def finish(self, call: EngineCall) -> asyncio.Future[None]:
@@ -297,11 +299,13 @@ class _Accounting:
 
         Two independent round trips (the usage stream, the quota counters), so neither waits
         for the other; both always run, and an append that failed still raises afterwards.
-        An interactive request's TTFT also goes to the batch guard's signal (no round trip).
+        An interactive request's TTFT, from the gateway taking it up (its placement, admission
+        and routing waited on a busy host too) to its first token, also goes to the batch
+        guard's signal (no round trip).
         """
         if result is not None and result.ttft_ms is not None and result.status == "ok" and (
                 self.tier != "batch"):
-            ttft_note(self.model, result.ttft_ms)
+            ttft_note(self.model, result.ttft_ms + max(0.0, self.sent - self.began) * 1000)
         outcomes = await asyncio.gather(_append(self._event(engine, result)),
                                         pipeline.request_settle(self.ticket, result),
                                         return_exceptions=True)
@@ -315,7 +319,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     """Run one inference request; raise a domain error for answers that are errors.
     ``surface`` words the answer (OpenAI's when None)."""
     surface = surface or Surface()
-    started = datetime.now(tz=UTC)
+    began, started = time.monotonic(), datetime.now(tz=UTC)
     placement = await pipeline.placement_resolve(principal=principal, model=req.model,
                                                  kind=req.kind)
     pipeline.request_check(req, get_fleet().router)
@@ -327,7 +331,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
     accounting = _Accounting(principal=principal, request_id=request_id, model=req.model,
                              tier=tier, started=started, ticket=ticket,
                              capacity=ticket.capacity if ticket is not None else "on_demand",
-                             user=req.user)
+                             user=req.user, began=began)
     call = pipeline.engine_call(get_fleet().client, principal=principal, req=req,
                                 regions=pipeline.engine_regions(placement, ticket), tier=tier,
                                 request_id=request_id, ticket=ticket)
@@ -339,6 +343,7 @@ async def serve(*, principal: KeyPrincipal, req: InferenceRequest, request_id: s
         if call.priority < capacity.PROVISIONED_PRIORITY:  # no await from here to routing
             call.allowed_regions = capacity.on_demand_regions(
                 get_fleet(), model=req.model, regions=call.allowed_regions, reserved=reserved)
+        accounting.sent = time.monotonic()
         await call.__aenter__()
     except NoCapacity as exc:
         # Offered here, but no engine of it is up in the allowed regions: retry, never
