@@ -52,8 +52,11 @@ ROUTES_MAXLEN = 20000  # entries of the placements stream (each one published ba
 ROUTES_WARM_S = 60.0  # a process (re)starting its reader reads this much of the stream first
 ROUTES_READ = 1000  # entries taken per read at most
 ROUTES_BLOCK_MS = 500  # how long one blocking read waits for placements
-LOOKUP_TIMEOUT_S = 0.25  # a lookup slower than this is given up (a hint; 50 ms timed out
-# most lookups of bench/routing.py on a loaded 2-core machine, each dropping its connection)
+# A request waits this long at most for its lookup; a slower one goes on in the background
+# (not cancelled: a cancelled read drops its connection, and on a loaded 2-core machine
+# reconnecting made the next lookups slower still) and its answer serves the next turns.
+LOOKUP_WAIT_S = 0.02
+LOOKUPS_PENDING_MAX = 64  # more slow lookups than this in flight: skip it (Redis is in trouble)
 log = logging.getLogger(__name__)
 
 
@@ -66,13 +69,14 @@ class LoadShare:
     """One process's side of the exchange: ``note_activity`` on every routed request."""
 
     def __init__(self, router: Router, redis_url: str, *, key: str = KEY,
-                 interval_s: float | None = None,
+                 interval_s: float | None = None, lookup_wait_s: float = LOOKUP_WAIT_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.router = router
         self.url = redis_url
         self.key = key
         self.interval = share_interval_s() if interval_s is None else interval_s
         self.clock = clock
+        self.lookup_wait_s = lookup_wait_s
         self.field = f"{os.getpid()}:{secrets.token_hex(4)}"  # unique across hosts too
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._task: asyncio.Task | None = None
@@ -80,6 +84,7 @@ class LoadShare:
         self._routes_from = ""  # the last stream id read ('': none yet, start ROUTES_WARM_S back)
         self._reader: asyncio.Task | None = None
         self._publishing: set[asyncio.Task] = set()
+        self._lookups: set[asyncio.Future] = set()
         self._batch_pending = False  # a batch of placements is scheduled, not yet taken
         self._active_at = 0.0
         self._failing = False
@@ -141,17 +146,24 @@ class LoadShare:
 
         One ``MGET`` of the prompt's blocks (``Router.observe_routes`` gets what it finds).
         Only while other processes share the key: a process alone knows its own placements.
-        Redis failing or slower than ``LOOKUP_TIMEOUT_S`` costs the hint, never the request.
+        The request waits ``lookup_wait_s`` (``LOOKUP_WAIT_S``) at most: a slower lookup
+        finishes in the background for the prompt's next turns, and Redis failing costs the
+        hint, never the request.
         """
         if self.interval <= 0 or not self._peers or self.router.policy != "cache_aware":
             return
         blocks = prefix_blocks(namespace, prompt)
-        if not blocks:
+        if not blocks or len(self._lookups) >= LOOKUPS_PENDING_MAX:
             return
+        task = asyncio.ensure_future(self._lookup(blocks))
+        self._lookups.add(task)  # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._lookups.discard)
+        await asyncio.wait((task,), timeout=self.lookup_wait_s)
+
+    async def _lookup(self, blocks: list[bytes]) -> None:
         try:
-            async with asyncio.timeout(LOOKUP_TIMEOUT_S):
-                engines = await self._client().mget([self._placed_key(b) for b in blocks])
-        except (redis.exceptions.RedisError, OSError, TimeoutError):
+            engines = await self._client().mget([self._placed_key(b) for b in blocks])
+        except (redis.exceptions.RedisError, OSError):
             return
         self.router.observe_routes((block, engine_id) for block, engine_id
                                    in zip(blocks, engines, strict=True) if engine_id)

@@ -147,7 +147,8 @@ def test_a_lookup_before_routing_finds_the_previous_turn_placed_by_another_proce
     # reads no placements stream (a process too busy to have read it yet)
     a, b = Router(_engines(3)), Router(_engines(3))
     share_a = LoadShare(a, settings.REDIS_URL, key=share_key)
-    share_b = LoadShare(b, settings.REDIS_URL, key=share_key)
+    # (waiting for the lookup as long as it takes: a loaded machine's Redis may be slow)
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key, lookup_wait_s=30)
     first = b.choose(model="m", namespace="org", prompt=SYSTEM + "<user>Hello\n").engine.engine_id
     b.release(first)
     turn_1 = SYSTEM + "<user>Why was I charged twice for the same batch job last month?\n"
@@ -172,6 +173,31 @@ def test_a_lookup_before_routing_finds_the_previous_turn_placed_by_another_proce
     # then B sends it where turn 1 is cached, though no placement reached it any other way
     assert hints_before == 0
     assert chosen == placed != first
+
+
+def test_a_slow_lookup_does_not_hold_the_request_and_serves_the_next_turn(share_key):
+    # given process B, which waits no time at all for a lookup (as when Redis is slow), and a
+    # placement by process A of a conversation's first turn
+    a, b = Router(_engines(3)), Router(_engines(3))
+    share_a = LoadShare(a, settings.REDIS_URL, key=share_key)
+    share_b = LoadShare(b, settings.REDIS_URL, key=share_key, lookup_wait_s=0)
+    turn_1 = SYSTEM + "<user>Why was I charged twice for the same batch job last month?\n"
+
+    async def scenario() -> tuple[int, int]:
+        a.release(a.choose(model="m", namespace="org", prompt=turn_1).engine.engine_id)
+        await share_a._publish_routes()
+        await share_a.exchange()
+        await share_b.exchange()
+        # when B looks the first turn up: it goes on routing before Redis has answered
+        await share_b.lookup(namespace="org", prompt=turn_1 + "<user>And again?\n")
+        at_once = b.routed_hints()
+        await asyncio.gather(*share_b._lookups)  # the lookup went on in the background
+        return at_once, b.routed_hints()
+
+    at_once, later = asyncio.run(scenario())
+    # then the request did not wait for the answer, and the answer still reached B's router
+    assert at_once == 0
+    assert later > 0
 
 
 def test_a_process_alone_makes_no_lookup(share_key):
