@@ -28,29 +28,45 @@ from tests.conftest import wait_until
 from tests.factories import OrganizationFactory, ProjectFactory, make_key, make_offering
 from tests.gateway.conftest import register_engine, start_gateway, stop_gateway
 
+REGIONS = {"us": ("us-east", "us"), "eu": ("eu-west", "eu")}
+
 
 @contextmanager
-def _pool(tmp_path, metering_stream, *, slots: int, env: dict | None = None):
+def _pool(tmp_path, metering_stream, *, slots: int, env: dict | None = None,
+          regions: tuple[str, ...] = ("us",)):
     from tests.factories import make_price_book
 
     make_price_book(prices=[{"model": "small", "input": "0.50", "output": "1.50"}])
-    sim = start_sim(served_model_name="small", max_running_requests=slots,
-                    decode_tokens_per_s=20, prefill_tokens_per_s=1_000_000)
-    register_engine(sim, pool="small-us", region="us-east", zone="us")
-    fleet_health_check(restart=False)  # records the engine's running cap, as the beat does
-    gateway = start_gateway(tmp_path, env={**metering_stream, **(env or {})})
-    gateway.sims = {"us": sim}
+    sims = {}
     try:
-        yield gateway
+        for name in regions:
+            sims[name] = start_sim(served_model_name="small", max_running_requests=slots,
+                                   decode_tokens_per_s=20, prefill_tokens_per_s=1_000_000)
+            region, zone = REGIONS[name]
+            register_engine(sims[name], pool=f"small-{name}", region=region, zone=zone)
+        fleet_health_check(restart=False)  # records the running caps, as the beat does
+        gateway = start_gateway(tmp_path, env={**metering_stream, **(env or {})})
+        gateway.sims = sims
+        try:
+            yield gateway
+        finally:
+            stop_gateway(gateway)
     finally:
-        stop_gateway(gateway)
-        sim.stop()
+        for sim in sims.values():
+            sim.stop()
 
 
 @pytest.fixture
 def slow_pool(transactional_db, tmp_path, metering_stream):
     """A gateway in front of one slow two-slot engine of ``small`` (us-east)."""
     with _pool(tmp_path, metering_stream, slots=2) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def two_regions(transactional_db, tmp_path, metering_stream):
+    """Two slow two-slot engines of ``small``: us-east and eu-west."""
+    with _pool(tmp_path, metering_stream, slots=2, regions=("us", "eu")) as gateway:
         yield gateway
 
 
@@ -211,6 +227,28 @@ def test_a_provisioned_request_starts_before_on_demand_ones_queued_ahead_of_it(
     order = [s["rid"] for s in _engine_stats(gateway)["start_order"]]
     ids = [r.headers["x-request-id"] for r in responses]
     assert order.index(ids[0]) < min(order.index(i) for i in ids[1:])
+
+
+def test_on_demand_runs_where_its_share_is_not_used_up(two_regions):
+    # given a reservation holding one of us-east's two slots, and a request of an org of
+    # the us zone holding the other
+    holder, us_org, global_org = (OrganizationFactory(), OrganizationFactory(data_zone="us"),
+                                  OrganizationFactory())
+    _reserve(holder)
+    us_secret, global_secret = _secret(us_org), _secret(global_org)
+    with _in_flight(two_regions, us_secret) as first:
+        assert first.headers["x-tollgate-region"] == "us-east"
+
+        # when an org of the global zone (either region) sends requests, and the us org too
+        responses = [_chat(two_regions, global_secret) for _ in range(3)]
+        us_refused = _chat(two_regions, us_secret)
+
+    # then the global org's run in eu-west, which has no reservation; the us org, which may
+    # run only in us-east, is refused: none takes us-east's held slot
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert {r.headers["x-tollgate-region"] for r in responses} == {"eu-west"}
+    assert us_refused.status_code == 429
+    assert us_refused.json()["error"]["code"] == "pool_at_capacity"
 
 
 def test_held_slots_of_reservations():
