@@ -169,6 +169,6 @@ def on_demand_regions(fleet: Fleet, *, model: str, regions: set[str] | None,
     if left:
         return left
     raise RateLimited(
-        f"The model '{model}' is at capacity for on-demand requests: the rest of its engines "
-        "is reserved for provisioned throughput. Retry shortly, or reserve provisioned units.",
+        f"The model '{model}' has no on-demand capacity left: what remains is reserved for "
+        "provisioned throughput. Retry shortly, or reserve provisioned units.",
         code="pool_at_capacity", headers={"retry-after": RETRY_AFTER_S})
