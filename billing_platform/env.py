@@ -179,9 +179,10 @@ BATCH_FREE_SLOTS: int = env.int("TOLLGATE_BATCH_FREE_SLOTS", default=1)
 BATCH_IDLE_S: float = env.float("TOLLGATE_BATCH_IDLE_S", default=2.0)
 # Above the floor, the share grows by this much of each engine's slots at a time, each step
 # judged on the TTFT of the interactive requests after it (at least BATCH_TTFT_WINDOW_S of
-# them and BATCH_TTFT_MIN_SAMPLES requests), and only while their mean TTFT stays within
-# BATCH_TTFT_TOLERANCE of the baseline (the TTFT at the floor); the last window above it, or
-# any engine queueing, takes the share back to the floor at once.
+# them and BATCH_TTFT_MIN_SAMPLES requests), and only while their mean TTFT and their typical
+# (geometric mean) TTFT both stay within BATCH_TTFT_TOLERANCE of the baseline (those at the
+# floor); the last window above it, or any engine queueing, takes the share back to the floor
+# at once.
 BATCH_GROW_FRACTION: float = env.float("TOLLGATE_BATCH_GROW_FRACTION", default=0.0625)
 BATCH_TTFT_TOLERANCE: float = env.float("TOLLGATE_BATCH_TTFT_TOLERANCE", default=0.05)
 BATCH_TTFT_WINDOW_S: float = env.float("TOLLGATE_BATCH_TTFT_WINDOW_S", default=0.6)

@@ -10,8 +10,10 @@ Each gateway process adds every interactive request's TTFT (the engine client's:
 the request to its first token) to a tally per model and ``SLOT_S`` of wall-clock time, and a
 background task adds the tallies to Redis every ``TOLLGATE_TTFT_SIGNAL_FLUSH_S`` while there
 are any: one pipeline of HINCRBYs per flush, never a round trip on the request path. A slot is
-one hash ``tg:ttft:{<model>}:<slot number>`` of ``n`` (requests) and ``us`` (their TTFTs
-summed, microseconds), living ``KEY_TTL_S``; the hash tag keeps a model's slots in one Redis
+one hash ``tg:ttft:{<model>}:<slot number>`` of ``n`` (requests), ``us`` (their TTFTs
+summed, microseconds) and ``ln`` (their logarithms summed, for the geometric mean: a typical
+request's TTFT, which a few slow ones do not swing as they swing the mean), living
+``KEY_TTL_S``; the hash tag keeps a model's slots in one Redis
 Cluster slot, so a reader's pipeline is one round trip there too.
 
 Redis failing costs the signal, never a request: a flush that fails is dropped (logged once per
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -34,7 +37,8 @@ SLOT_S = 0.2  # the signal's resolution: one Redis hash per model per slot
 KEY_TTL_S = 30.0  # a slot is read for a few seconds at most (the guard's lookback)
 log = logging.getLogger(__name__)
 
-_pending: dict[tuple[str, int], list[int]] = {}  # (model, slot) -> [requests, TTFT sum in us]
+# (model, slot) -> [requests, TTFT sum in us, sum of ln(TTFT in ms) in millionths]
+_pending: dict[tuple[str, int], list[int]] = {}
 _flusher: asyncio.Task[None] | None = None
 _failing = False
 
@@ -49,9 +53,10 @@ def note(model: str, ttft_ms: float, *, now: float | None = None) -> None:
     slot = int((time.time() if now is None else now) / SLOT_S)
     tally = _pending.get((model, slot))
     if tally is None:
-        tally = _pending[(model, slot)] = [0, 0]
+        tally = _pending[(model, slot)] = [0, 0, 0]
     tally[0] += 1
     tally[1] += round(ttft_ms * 1000)
+    tally[2] += round(math.log(max(ttft_ms, 0.001)) * 1_000_000)
     global _flusher
     try:
         loop = asyncio.get_running_loop()
@@ -77,10 +82,11 @@ async def aflush() -> None:
     ttl_ms = int(KEY_TTL_S * 1000)
     try:
         async with get_aredis().pipeline(transaction=False) as pipe:
-            for (model, slot), (n, us) in tallies:
+            for (model, slot), (n, us, ln) in tallies:
                 key = slot_key(model, slot)
                 pipe.hincrby(key, "n", n)
                 pipe.hincrby(key, "us", us)
+                pipe.hincrby(key, "ln", ln)
                 pipe.pexpire(key, ttl_ms)
             await pipe.execute()
     except (redis.exceptions.RedisError, OSError) as exc:
@@ -96,12 +102,13 @@ async def aflush() -> None:
 
 @dataclass(frozen=True)
 class Slot:
-    """One slot of the signal: when it began (wall-clock seconds), its requests and their mean
-    TTFT (ms; None with no request)."""
+    """One slot of the signal: when it began (wall-clock seconds), its requests, and their
+    TTFTs' sum (ms) and sum of natural logarithms (of ms)."""
 
     start: float
     requests: int
-    mean_ms: float | None
+    sum_ms: float = 0.0
+    sum_ln: float = 0.0
 
 
 async def aslots(model: str, *, seconds: float, now: float | None = None) -> list[Slot]:
@@ -112,11 +119,8 @@ async def aslots(model: str, *, seconds: float, now: float | None = None) -> lis
     numbers = range(last - max(1, round(seconds / SLOT_S)) + 1, last + 1)
     async with get_aredis().pipeline(transaction=False) as pipe:
         for number in numbers:
-            pipe.hmget(slot_key(model, number), ["n", "us"])
+            pipe.hmget(slot_key(model, number), ["n", "us", "ln"])
         replies = await pipe.execute()
-    out = []
-    for number, (n, us) in zip(numbers, replies, strict=True):
-        count = int(n or 0)
-        out.append(Slot(start=number * SLOT_S, requests=count,
-                        mean_ms=int(us or 0) / 1000 / count if count else None))
-    return out
+    return [Slot(start=number * SLOT_S, requests=int(n or 0), sum_ms=int(us or 0) / 1000,
+                 sum_ln=int(ln or 0) / 1_000_000)
+            for number, (n, us, ln) in zip(numbers, replies, strict=True)]

@@ -100,7 +100,9 @@ def test_rising_interactive_ttft_takes_the_share_to_the_floor_at_the_next_probe(
         publish([10.0] * 30, at=now + 0.05)
         fractions.append(guard.decide(slots(now + 0.15), queued=False, now=now + 0.15))
     assert fractions[0] == guard.floor  # traffic arrived: the floor, whatever came before
-    assert guard.baseline_ms == pytest.approx(10.0)
+    assert guard.baseline is not None
+    assert guard.baseline.mean_ms == pytest.approx(10.0)
+    assert guard.baseline.typical_ms == pytest.approx(10.0)
     # then each step that left TTFT where it was allowed the next: batch grew past the floor
     grown = guard.fraction
     assert grown >= 4 * guard.floor

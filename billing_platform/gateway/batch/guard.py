@@ -12,7 +12,9 @@ steered by what interactive requests actually get, the TTFT the gateways publish
 - then AIMD: each step of ``TOLLGATE_BATCH_GROW_FRACTION`` of the slots is judged on the TTFT
   of requests that started after it (a full ``TOLLGATE_BATCH_TTFT_WINDOW_S`` and at least
   ``TOLLGATE_BATCH_TTFT_MIN_SAMPLES`` requests): the next step is taken only when it stayed
-  within ``TOLLGATE_BATCH_TTFT_TOLERANCE`` of the baseline;
+  within ``TOLLGATE_BATCH_TTFT_TOLERANCE`` of the baseline, in both the mean TTFT (which the
+  slow requests, the p99's, weigh in) and the geometric mean (a typical request's, the p50's;
+  a few slow requests swing the mean of a short window more than batch does);
 - the share falls back to the floor within one probe when the last window's TTFT rises past
   that, when any engine queues, when the host's CPUs were busier than
   ``TOLLGATE_BATCH_HOST_CPU_CEILING`` (others' use, under interactive traffic only), or when the
@@ -31,6 +33,7 @@ per worker process and outlives a slice: the next slice of a batch starts where 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,19 +48,33 @@ BASELINE_WEIGHT = 0.3  # how much one judged window moves the baseline (an EWMA)
 
 @dataclass
 class Window:
-    """Interactive requests and their mean TTFT (ms) over some slots."""
+    """Interactive requests over some slots, their mean TTFT (ms: the slow ones weigh in it)
+    and their geometric mean TTFT (ms: a typical request's)."""
 
     requests: int = 0
     mean_ms: float = 0.0
+    typical_ms: float = 0.0
 
     @classmethod
     def of(cls, slots: Iterable[Slot]) -> Window:
-        n = total = 0.0
+        n, total, logs = 0, 0.0, 0.0
         for slot in slots:
-            if slot.requests and slot.mean_ms is not None:
-                n += slot.requests
-                total += slot.requests * slot.mean_ms
-        return cls(int(n), total / n if n else 0.0)
+            n += slot.requests
+            total += slot.sum_ms
+            logs += slot.sum_ln
+        return cls(n, total / n, math.exp(logs / n)) if n else cls()
+
+    def over(self, baseline: Window, tolerance: float) -> bool:
+        """Return whether either TTFT is more than ``tolerance`` above the baseline's."""
+        return (self.mean_ms > baseline.mean_ms * (1 + tolerance)
+                or self.typical_ms > baseline.typical_ms * (1 + tolerance))
+
+    def toward(self, other: Window, weight: float, *, down_only: bool) -> None:
+        """Move each TTFT ``weight`` of the way to ``other``'s (only down: ``down_only``)."""
+        for name in ("mean_ms", "typical_ms"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if not down_only or theirs < mine:
+                setattr(self, name, mine + weight * (theirs - mine))
 
 
 @dataclass
@@ -72,7 +89,7 @@ class Scavenger:
     min_samples: int
     cpu_ceiling: float
     fraction: float = 0.0
-    baseline_ms: float | None = None
+    baseline: Window | None = None  # interactive TTFT with batch at the floor
     idle: bool = False
     changed_at: float = 0.0  # when ``fraction`` last changed (wall clock, as the signal's)
     dropped_at: float = 0.0  # when it last fell to the floor
@@ -132,11 +149,11 @@ class Scavenger:
             return self._drop(now, "queued")
         if host_busy is not None and host_busy >= self.cpu_ceiling:
             return self._drop(now, "host_cpu")
-        limit = None if self.baseline_ms is None else self.baseline_ms * (1 + self.tolerance)
         # the last window, but none of what it measured before the last fall to the floor
         last = Window.of(s for s in slots if s.start >= max(now - self.window_s,
                                                             self.dropped_at))
-        if limit is not None and last.requests and last.mean_ms > limit:
+        if self.baseline is not None and last.requests and last.over(self.baseline,
+                                                                     self.tolerance):
             return self._drop(now, "ttft")
         # the current share, judged on requests that started after it was set
         judged_slots = [s for s in slots if s.start >= self.changed_at]
@@ -144,11 +161,11 @@ class Scavenger:
         if (judged.requests < self.min_samples or not judged_slots
                 or now - judged_slots[0].start < self.window_s):
             return self._to(self.fraction, now, "judging")
-        if self.baseline_ms is None:
-            self.baseline_ms = judged.mean_ms
-        elif self.fraction <= self.floor or judged.mean_ms < self.baseline_ms:
-            self.baseline_ms += BASELINE_WEIGHT * (judged.mean_ms - self.baseline_ms)
-        if judged.mean_ms > self.baseline_ms * (1 + self.tolerance):
+        if self.baseline is None:
+            self.baseline = judged
+        else:
+            self.baseline.toward(judged, BASELINE_WEIGHT, down_only=self.fraction > self.floor)
+        if judged.over(self.baseline, self.tolerance):
             return self._drop(now, "ttft")
         return self._to(self.fraction + self.step, now, "grow")
 
