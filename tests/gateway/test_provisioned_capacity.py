@@ -251,6 +251,22 @@ def test_on_demand_runs_where_its_share_is_not_used_up(two_regions):
     assert us_refused.json()["error"]["code"] == "pool_at_capacity"
 
 
+def test_the_health_probe_records_what_a_pool_holds_back_by(slow_pool):
+    # given an engine that has run a request (a decode rate of its own to report)
+    from engine_adapter.models import EngineInstance
+
+    assert _chat(slow_pool, _secret(OrganizationFactory())).status_code == 200
+
+    # when the health probe runs
+    fleet_health_check(restart=False)
+
+    # then the engine's load says its running cap and one request's decode rate (20 tokens/s
+    # at most: the simulator paces each token at 1/20 s, a busy machine only slows it)
+    load = EngineInstance.objects.get(engine_id="small-us-0").load
+    assert load["max_running"] == 2
+    assert 0 < load["decode_tokens_per_s"] <= 20.5
+
+
 def test_held_slots_of_reservations():
     # one slot at 20 tokens/s serves 60 x 20 x R normalized tokens a minute
     assert held_slots(((1000, Decimal("1")),), slots=8, decode_tokens_per_s=20) == 1
