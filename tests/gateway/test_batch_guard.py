@@ -164,6 +164,43 @@ def test_an_idle_fleet_runs_many_more_batch_lines_at_once_than_the_floor(
         stop_gateway(stack.gateway)
 
 
+def test_batch_leaves_a_pools_reserved_slots_free(
+        transactional_db, tmp_path, settings, metering_stream, celery_worker_process,
+        slow_sims):
+    # given the same idle pool (two engines of 8 slots), of which four reservations hold a
+    # slot each (a reservation holds at least one slot: these are small)
+    from plans import services as plan_services
+    from tests.factories import OrganizationFactory, make_offering
+
+    stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream), slow_sims)
+    offering = make_offering(model=MODEL, region="us-east", tokens_per_minute_per_unit=100,
+                             output_burndown="1")
+    for _ in range(4):
+        plan_services.reservation_create(organization=OrganizationFactory(), offering=offering,
+                                         units=1, term="monthly")
+    try:
+        most = [0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                most[0] = max(most[0], sum(running(sim) for sim in slow_sims))
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        # when a batch of 120 lines runs with no interactive traffic
+        client, batch = _run_long_lines(stack, celery_worker_process, lines=120)
+        finished = wait_status(client, batch.id, ("completed",), timeout=120)
+        done.set()
+        watcher.join()
+        # then it filled the engines but for their free slots and the four reserved ones
+        assert finished.request_counts.completed == 120
+        assert 0 < most[0] <= 2 * (8 - settings.BATCH_FREE_SLOTS) - 4
+    finally:
+        stop_gateway(stack.gateway)
+
+
 def _run_long_lines(stack, celery_worker_process, *, lines: int):
     client = stack.client()
     file_id = upload(client, [request_line(i, max_tokens=20) for i in range(lines)])

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from billing_platform.accounts.selectors import KeyPrincipal
 from billing_platform.errors import InvalidRequest, Unavailable
-from billing_platform.gateway import pipeline, ttft_signal
+from billing_platform.gateway import capacity, pipeline, ttft_signal
 from billing_platform.gateway.batch import services as batch_services
 from billing_platform.gateway.batch.guard import Scavenger, batch_share, scavenger_for
 from billing_platform.gateway.batch.services import MAX_ATTEMPTS, LineOutcome
@@ -420,8 +420,22 @@ async def _probe(guard: Scavenger, host: HostCpu, *, fleet: Fleet, model: str,
                             host_busy=busy, now=now)
     if guard.reason == "host_cpu":
         return 0  # the host's CPU has no trough to fill
-    return batch_share(loads.values(), fraction=fraction, floor=guard.floor,
-                       free_slots=settings.BATCH_FREE_SLOTS, ours=ours)
+    share = batch_share(loads.values(), fraction=fraction, floor=guard.floor,
+                        free_slots=settings.BATCH_FREE_SLOTS, ours=ours)
+    return max(0, share - await _reserved_slots(fleet, model, regions))
+
+
+async def _reserved_slots(fleet: Fleet, model: str, regions: set[str] | None) -> int:
+    """Return the slots of these pools held for reservations (``gateway.capacity``).
+
+    Batch lines are on-demand work: like interactive on-demand requests they leave a pool's
+    reserved share free, or a reserved request would wait behind them for a slot (engines do
+    not preempt a running request). Counted whole, though reserved requests running there
+    also count in what the engines run: batch leaves a reserved pool more room, never less.
+    """
+    reserved = await capacity.areserved()
+    return sum(pool.held for pool in capacity.pool_shares(fleet, model, reserved)
+               if regions is None or pool.region in regions)
 
 
 def _healthy(fleet: Fleet, model: str, regions: set[str] | None) -> list[EngineInfo]:
