@@ -252,7 +252,8 @@ def idle_fill(client, *, rounds: int, slice_s: float, lines: int) -> dict[str, l
     finally:
         settings.BATCH_MAX_RUNNING_FRACTION, settings.BATCH_HOST_CPU_CEILING = guarded
         scavengers_forget()
-        client.batches.cancel(created.id)
+        if client.batches.retrieve(created.id).status == "in_progress":
+            client.batches.cancel(created.id)  # (a short bench may have run it to the end)
     return out
 
 
