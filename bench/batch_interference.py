@@ -313,8 +313,11 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(0.2)
         if args.idle_rounds:
+            # enough lines for every slice at 1,000 lines/s (a batch that ran out mid-slice
+            # counted as a slow slice), within the Batch API's 50,000
             idle = idle_fill(client, rounds=args.idle_rounds, slice_s=args.idle_slice_s,
-                             lines=args.lines)
+                             lines=min(50_000, round(2 * args.idle_rounds
+                                                     * (args.idle_slice_s + 1) * 1000)))
         worker_log = open(Path(files_dir) / "worker.log", "wb")  # noqa: SIM115
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "billing_platform",
