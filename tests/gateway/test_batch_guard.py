@@ -141,25 +141,12 @@ def test_an_idle_fleet_runs_many_more_batch_lines_at_once_than_the_floor(
     # given two idle engines of 8 slots: the old fixed share (1/16) ran one line on each
     stack = start_stack(tmp_path, batch_env(settings, tmp_path, metering_stream), slow_sims)
     try:
-        most = [0]
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                most[0] = max(most[0], sum(running(sim) for sim in slow_sims))
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
         # when a batch of 120 lines of 20 tokens runs with no interactive traffic
-        client, batch = _run_long_lines(stack, celery_worker_process, lines=120)
-        finished = wait_status(client, batch.id, ("completed",), timeout=120)
-        done.set()
-        watcher.join()
+        completed, most = _most_running(stack, celery_worker_process, slow_sims, lines=120)
         # then it ran on (nearly) every slot of the engines, not on the floor's two
-        assert finished.request_counts.completed == 120
-        assert most[0] > 2 * 4
-        assert most[0] <= 2 * (8 - settings.BATCH_FREE_SLOTS)
+        assert completed == 120
+        assert most > 2 * 4
+        assert most <= 2 * (8 - settings.BATCH_FREE_SLOTS)
     finally:
         stop_gateway(stack.gateway)
 
@@ -179,26 +166,35 @@ def test_batch_leaves_a_pools_reserved_slots_free(
         plan_services.reservation_create(organization=OrganizationFactory(), offering=offering,
                                          units=1, term="monthly")
     try:
-        most = [0]
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                most[0] = max(most[0], sum(running(sim) for sim in slow_sims))
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
         # when a batch of 120 lines runs with no interactive traffic
-        client, batch = _run_long_lines(stack, celery_worker_process, lines=120)
-        finished = wait_status(client, batch.id, ("completed",), timeout=120)
-        done.set()
-        watcher.join()
+        completed, most = _most_running(stack, celery_worker_process, slow_sims, lines=120)
         # then it filled the engines but for their free slots and the four reserved ones
-        assert finished.request_counts.completed == 120
-        assert 0 < most[0] <= 2 * (8 - settings.BATCH_FREE_SLOTS) - 4
+        assert completed == 120
+        assert 0 < most <= 2 * (8 - settings.BATCH_FREE_SLOTS) - 4
     finally:
         stop_gateway(stack.gateway)
+
+
+def _most_running(stack, celery_worker_process, sims, *, lines: int) -> tuple[int, int]:
+    """Run a batch of ``lines`` long lines to its end; return how many completed and the most
+    requests the engines ran at once meanwhile."""
+    most = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            most[0] = max(most[0], sum(running(sim) for sim in sims))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        client, batch = _run_long_lines(stack, celery_worker_process, lines=lines)
+        finished = wait_status(client, batch.id, ("completed",), timeout=120)
+    finally:
+        done.set()
+        watcher.join()
+    return finished.request_counts.completed, most[0]
 
 
 def _run_long_lines(stack, celery_worker_process, *, lines: int):
