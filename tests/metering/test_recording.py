@@ -97,6 +97,23 @@ def test_rollups_equal_the_sums_of_the_events_and_survive_redelivery(tenant):
     assert sum(r["cached_input_amount"] for r in rollups.values()) > 0
 
 
+def test_a_batch_mixing_recorded_and_new_events_records_only_the_new_ones(tenant):
+    # given 300 of 600 events already recorded
+    batch = _varied_events(tenant, 600, seed=7)
+    services.usage_events_record(batch[::2], origin="test")
+
+    # when the whole batch arrives (a replay that overlaps events the gateway sent since)
+    result = services.usage_events_record(batch, origin="test")
+
+    # then the other 300 are recorded, each once, rated as the first ones were, and the
+    # rollups count every event once
+    assert sorted(result.recorded) == sorted(e.key for e in batch[1::2])
+    assert sorted(result.duplicates) == sorted(e.key for e in batch[::2])
+    assert UsageEvent.objects.count() == 600 == UsageEventId.objects.count()
+    assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 600
+    assert UsageEvent.objects.filter(amount__gt=0).count() > 500
+
+
 def test_the_migration_backfill_rebuilds_the_token_class_split_from_the_events(tenant):
     services.usage_events_record(_varied_events(tenant, 200, seed=3), origin="test")
     columns = [f"{cls}_amount" for cls in CLASSES]
