@@ -9,7 +9,10 @@ so that drift in the machine's other load falls on both alike.
 First, on the same engines with no interactive traffic at all, it measures how fast a batch
 runs with the guard (``gateway/batch/guard.py``: the fleet is idle, batch may fill it) and with
 no guard (every slot, no TTFT or host-CPU check), in alternating slices of a runner in this
-process: ``batch_idle_fill_ratio`` is guarded / unguarded lines per second (goal: at least 0.8).
+process: ``batch_idle_fill_ratio`` is guarded / unguarded lines per second (goal: at least 0.8),
+with a 90 % bootstrap interval over the rounds (``batch_idle_fill_90pct_interval``): on a host
+shared with other work one slice can read twice another of the same kind, so many short
+alternating slices (``--idle-rounds 6 --idle-slice-s 3``) say more than a few long ones.
 
     .venv/bin/python bench/batch_interference.py [--requests 4000] [--concurrency 4]
 
@@ -257,6 +260,21 @@ def idle_fill(client, *, rounds: int, slice_s: float, lines: int) -> dict[str, l
     return out
 
 
+def fill_interval(idle: dict[str, list[float]], *, resamples: int = 400,
+                  seed: int = 1) -> list[float] | None:
+    """Return a 90 % bootstrap interval of guarded / unguarded mean lines per second, whole
+    rounds (one slice of each kind, run back to back) resampled."""
+    import random
+
+    pairs = list(zip(idle["guarded"], idle["unguarded"], strict=False))
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(mean([g for g, _ in picked]) / mean([u for _, u in picked])
+                    for picked in (rng.choices(pairs, k=len(pairs)) for _ in range(resamples)))
+    return [round(ratios[int(0.05 * resamples)], 3), round(ratios[int(0.95 * resamples)], 3)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=4000)
@@ -265,9 +283,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--decode-tokens-per-s", type=float, default=500.0)
     p.add_argument("--max-running", type=int, default=16)
-    p.add_argument("--idle-rounds", type=int, default=3,
+    p.add_argument("--idle-rounds", type=int, default=6,
                    help="idle-fleet slices of each kind (guarded, unguarded); 0: skip")
-    p.add_argument("--idle-slice-s", type=float, default=5.0)
+    p.add_argument("--idle-slice-s", type=float, default=3.0)
     p.add_argument("--calibrate", action="store_true",
                    help="keep the batch paused in both phases: the ratios then show the "
                         "bench's own noise (an A/A run)")
@@ -398,6 +416,7 @@ def main() -> None:
         # idle fleet: batch lines/s with the guard over lines/s with none, same engines
         "batch_idle_fill_ratio": (round(mean(idle["guarded"]) / mean(idle["unguarded"]), 3)
                                   if idle["unguarded"] else None),
+        "batch_idle_fill_90pct_interval": fill_interval(idle),
         "idle_batch_lines_per_s": {kind: {"mean": round(mean(v), 1) if v else None,
                                           "slices": [round(x, 1) for x in v]}
                                    for kind, v in idle.items()},

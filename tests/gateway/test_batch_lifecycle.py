@@ -165,6 +165,31 @@ def test_lines_handed_back_run_again_or_end_cancelled_if_the_batch_was_cancelled
     assert batch_events(batch.public_id, 0) == []
 
 
+def test_lines_claimed_ahead_go_back_unstarted_when_a_slice_ends_and_run_once_later(
+        stack, settings):
+    # given a batch of 10 lines and a runner that leases them 4 at a time (it leases the next
+    # 4 while the first run, so a finished line is replaced without a database round trip)
+    client, batch = _started_batch(stack, settings)
+
+    # when one slice ends after starting 4 lines
+    _run_lines(settings, batch, 4)
+
+    # then the other 6 are pending again, none charged an attempt it never made (a line is
+    # failed after MAX_ATTEMPTS), and no lease is left behind
+    rest = BatchLine.objects.filter(batch=batch).exclude(state="completed")
+    assert sorted((line.state, line.attempts, line.lease_token) for line in rest) == [
+        ("pending", 0, "")] * 6
+
+    # and when the next slices run the batch out, every line ran and is billed once
+    assert runner.batch_run(batch_id=batch.pk, slice_s=60) == "drained"
+    done = client.batches.retrieve(batch.public_id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (10, 0)
+    assert sorted(r["custom_id"] for r in results(client, done.output_file_id)) == sorted(
+        f"req-{i}" for i in range(10))
+    assert len(batch_events(batch.public_id, 10)) == 10
+
+
 def test_cancel_under_a_worker_stops_within_a_minute(
         transactional_db, tmp_path, settings, metering_stream, celery_worker_process):
     # given a worker running a batch on slow engines
