@@ -237,6 +237,10 @@ RESPONSES_EXPIRE_S: float = env.float("TOLLGATE_RESPONSES_EXPIRE_S", default=360
 # this long (one send blocked) is cut: its engine request aborted, metered client_aborted.
 GATEWAY_BODY_READ_TIMEOUT_S: float = env.float("TOLLGATE_BODY_READ_TIMEOUT_S", default=30.0)
 GATEWAY_SEND_TIMEOUT_S: float = env.float("TOLLGATE_SEND_TIMEOUT_S", default=30.0)
+# How long a PostgreSQL connection of the gateway's database threads is kept open between
+# their jobs (policy reloads, the fleet view, key lookups that miss the cache); 0 opens one
+# per job. Django's CONN_MAX_AGE, for those threads only (gateway/db_connections.py).
+GATEWAY_DB_CONN_MAX_AGE_S: float = env.float("TOLLGATE_GATEWAY_DB_CONN_MAX_AGE_S", default=60.0)
 QUOTA_RESERVATION_TTL_S: float = env.float("TOLLGATE_RESERVATION_TTL_S", default=600.0)
 QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0)
 # How old a cached quota policy may still be served while its reloads fail (PostgreSQL

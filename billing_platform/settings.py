@@ -242,6 +242,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 # response's client may read nothing (cut, its engine request aborted). docs/operations.md.
 GATEWAY_BODY_READ_TIMEOUT_S = E.GATEWAY_BODY_READ_TIMEOUT_S
 GATEWAY_SEND_TIMEOUT_S = E.GATEWAY_SEND_TIMEOUT_S
+# The gateway's database threads keep their connection this long (gateway/db_connections.py)
+GATEWAY_DB_CONN_MAX_AGE_S = E.GATEWAY_DB_CONN_MAX_AGE_S
 
 # API keys: looked-up keys are cached in Redis this long; revocation overwrites the entry.
 API_KEY_CACHE_TTL_S = 300

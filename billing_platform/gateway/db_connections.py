@@ -14,6 +14,15 @@ view runs its database work there: asgiref's thread-sensitive ``sync_to_async`` 
 runs it in one shared thread that nothing checks, so after a PostgreSQL restart /v1/files and
 /v1/batches answered 503 until the process restarted.
 
+The executor's threads keep their connection between jobs for
+``TOLLGATE_GATEWAY_DB_CONN_MAX_AGE_S`` (60 s; Django's ``CONN_MAX_AGE``, given to these
+threads only): with the project's ``CONN_MAX_AGE`` of 0 each job opened a new connection, a
+PostgreSQL backend forked and authenticated for every policy reload, fleet refresh and
+key-cache miss (bench/gateway.py: about a tenth of the gateway's CPU per request, besides
+the server's fork). The checks above still run around every job, so a connection a restart
+broke is dropped (``CONN_HEALTH_CHECKS``) and the next job connects afresh. The threads are
+the executor's, at most ``max_workers`` per process, so the connections are bounded too.
+
 ``unavailable`` is the /v1 error when PostgreSQL is needed and nothing cached would do (a key
 not in the Redis key cache, a fleet view past ``TOLLGATE_FLEET_MAX_STALE_S``): a retryable 503
 in OpenAI's shape, never a 500, logged at most once every ``LOG_EVERY_S``, not per request.
@@ -30,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError, close_old_connections
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections, connections
 
 from billing_platform.errors import Unavailable
 
@@ -48,8 +58,23 @@ def _between_checks(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         close_old_connections()
 
 
+def _keep_connections() -> None:
+    """Give this thread's connections ``GATEWAY_DB_CONN_MAX_AGE_S`` as their CONN_MAX_AGE.
+
+    Each thread has connection objects of its own; their settings are the project's dict,
+    shared, so each gets a copy with the longer age (other threads keep theirs)."""
+    age = settings.GATEWAY_DB_CONN_MAX_AGE_S
+    for alias in connections:
+        conn = connections[alias]
+        conn.settings_dict = {**conn.settings_dict, "CONN_MAX_AGE": age}
+
+
 class ConnectionCheckingExecutor(ThreadPoolExecutor):
-    """A thread pool whose every job runs between two ``close_old_connections()`` calls."""
+    """A thread pool whose every job runs between two ``close_old_connections()`` calls, and
+    whose threads keep a connection for ``GATEWAY_DB_CONN_MAX_AGE_S`` between jobs."""
+
+    def __init__(self, *, thread_name_prefix: str = "") -> None:
+        super().__init__(thread_name_prefix=thread_name_prefix, initializer=_keep_connections)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         return super().submit(_between_checks, fn, *args, **kwargs)
