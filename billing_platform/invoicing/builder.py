@@ -238,15 +238,21 @@ def _usage_lines(draft: DraftInvoice, u: UsageSum, *,
 
 # Finalized invoices of the chunk's organizations before each target's period: those that
 # started within the lookback, and (a superset, narrowed in ``_late_periods``) those ending
-# after the org's first hour that metering marked late since then.
+# after the org's first hour that metering marked late since then. One probe of index
+# invoice_org_last_final per organization (LATERAL, kept one by OFFSET 0): a join was planned
+# as a hash of every finalized invoice, so each chunk of a close read all the invoices the
+# chunks before it had finalized (29,000 rows for 500 orgs at the end of a 30,000-org run).
 _FINALIZED_SQL = """
-SELECT i.organization_id, i.period_start, i.period_end, i.currency,
+SELECT t.org, i.period_start, i.period_end, i.currency,
        i.period_start >= t.start - %s::interval
   FROM unnest(%s::bigint[], %s::timestamptz[], %s::timestamptz[]) AS t(org, start, first_late)
-  JOIN invoicing_invoice i
-    ON i.organization_id = t.org AND i.kind = 'invoice' AND i.status <> 'draft'
-   AND i.period_end <= t.start
- WHERE i.period_start >= t.start - %s::interval OR i.period_end > t.first_late
+ CROSS JOIN LATERAL (
+        SELECT i.period_start, i.period_end, i.currency
+          FROM invoicing_invoice i
+         WHERE i.organization_id = t.org AND i.kind = 'invoice' AND i.status <> 'draft'
+           AND i.period_end <= t.start
+           AND (i.period_start >= t.start - %s::interval OR i.period_end > t.first_late)
+        OFFSET 0) i
 """
 
 _BILLED_SQL = f"""
