@@ -202,7 +202,10 @@ def consume(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
+    from metering.ingest import Ingestor  # noqa: F401  (imported before saying ready)
+
     spec = json.loads(args.spec)
+    Path(spec["ready"]).touch()
     result = _consume(args, expected=spec["expected"], shard=spec["shard"])
     Path(spec["out"]).write_text(json.dumps(result))
 
@@ -227,9 +230,20 @@ def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: 
             [sys.executable, __file__, "--consume", "--batch-size", str(args.batch_size or 0),
              "--writers", str(args.writers),
              "--spec", json.dumps({"expected": per_shard[s], "shard": s,
-                                   "out": str(workdir / f"{s}.json")})])
+                                   "out": str(workdir / f"{s}.json"),
+                                   "ready": str(workdir / f"{s}.ready")})])
         for s in range(1, len(shards))
     ]
+    # Offer nothing before every consumer is up: a consumer still importing Django when the
+    # first events arrive starts behind, and at 80 % of its rate it catches up at only 20 %,
+    # so seconds of start-up showed as seconds of lag in the lag phase.
+    deadline = time.monotonic() + 300
+    while not all((workdir / f"{s}.ready").exists() for s in range(1, len(shards))):
+        if any(child.poll() is not None for child in consumers):
+            raise RuntimeError("a consumer exited before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the consumers were not ready within 300 s")
+        time.sleep(0.05)
     producer = subprocess.Popen(
         [sys.executable, __file__, "--produce", "--events", str(events), "--rate", str(rate),
          "--spec", json.dumps(spec)],
