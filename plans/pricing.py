@@ -191,13 +191,15 @@ def lines_in_last_places(units: tuple[int, ...], f: TokenCounts | UsageFacts
     n_in = (f.prompt_tokens - f.cached_tokens - write) * u_in
     n_cached = f.cached_tokens * u_cached
     n_out = f.completion_tokens * u_out
-    lines = {_INPUT: _from_last_places(n_in), _CACHED_INPUT: _from_last_places(n_cached),
-             _OUTPUT: _from_last_places(n_out)}
+    # n x 1e-10 parsed from "<n>E-10": the digits and exponent of Decimal(n).scaleb(-10)
+    # (exact for any integer) in two thirds of its time; this runs for nearly every event
+    lines = {_INPUT: _D(f"{n_in}E-10"), _CACHED_INPUT: _D(f"{n_cached}E-10"),
+             _OUTPUT: _D(f"{n_out}E-10")}
     total = n_in + n_cached + n_out
     if write:
-        lines[_CACHE_WRITE] = _from_last_places(write * u_write)
+        lines[_CACHE_WRITE] = _D(f"{write * u_write}E-10")
         total += write * u_write
-    return lines, _from_last_places(total)
+    return lines, _D(f"{total}E-10")
 
 
 _INPUT, _CACHED_INPUT, _OUTPUT, _CACHE_WRITE = (
@@ -205,9 +207,7 @@ _INPUT, _CACHED_INPUT, _OUTPUT, _CACHE_WRITE = (
     str(TokenClass.OUTPUT.value), str(TokenClass.CACHE_WRITE.value))
 
 
-def _from_last_places(n: int) -> Decimal:
-    """Return ``n`` x 1e-10 as a 10-place Decimal (the amounts' quantum)."""
-    return Decimal(n).scaleb(-10, context=EXACT)
+_D = Decimal
 
 
 def rounded_lines(lines: Mapping[str, Decimal], fraction: Decimal | None = None
