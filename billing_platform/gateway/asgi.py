@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -54,28 +55,66 @@ class _Stalled(Exception):
     """A ``send`` did not go through within GATEWAY_SEND_TIMEOUT_S: the client stopped reading."""
 
 
-async def _send_response(response: HttpResponseBase, send: Any) -> None:
-    timeout = settings.GATEWAY_SEND_TIMEOUT_S
+class _SendWatch:
+    """Cut a response one of whose sends waits longer than ``timeout`` (``_Stalled``).
 
-    async def emit(message: dict[str, Any]) -> None:
+    One timer per response, re-armed only when it fires, where an ``asyncio.timeout`` per
+    send cost two timer operations per chunk, as much as uvicorn's send itself (a stream
+    sends one per token). A send that waits marks when it began; the timer fires at that
+    moment plus ``timeout`` and cancels the response's task if the same send still waits.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.since: float | None = None  # when the send now waiting began
+        self.stalled = False
+        self.handle = self.loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        since, now = self.since, self.loop.time()
+        if since is not None and now - since >= self.timeout and self.task is not None:
+            self.stalled = True
+            self.task.cancel()  # the task waits in that send: it is thrown there
+            return
+        self.handle = self.loop.call_at((now if since is None else since) + self.timeout,
+                                        self._check)
+
+    async def send(self, send: Any, message: dict[str, Any]) -> None:
+        self.since = self.loop.time()
         try:
-            async with asyncio.timeout(timeout):
-                await send(message)
-        except TimeoutError:
-            raise _Stalled from None
+            await send(message)
+        except asyncio.CancelledError:
+            if self.stalled and self.task is not None and self.task.uncancel() == 0:
+                raise _Stalled from None
+            raise
+        finally:
+            self.since = None
 
-    if not response.streaming and not response.has_header("Content-Length"):
-        response["Content-Length"] = str(len(response.content))  # else uvicorn chunks it
-    headers = [(k.encode("ascii"), v.encode("latin1")) for k, v in response.items()]
-    await emit({"type": "http.response.start", "status": response.status_code,
-                "headers": headers})
-    if response.streaming:
-        async with contextlib.aclosing(aiter(response)) as content:
-            async for part in content:
-                await emit({"type": "http.response.body", "body": part, "more_body": True})
-        await emit({"type": "http.response.body"})
-    else:
-        await emit({"type": "http.response.body", "body": response.content})
+    def close(self) -> None:
+        self.handle.cancel()
+
+
+async def _send_response(response: HttpResponseBase, send: Any) -> None:
+    watch = _SendWatch(settings.GATEWAY_SEND_TIMEOUT_S)
+    emit = functools.partial(watch.send, send)
+    try:
+        if not response.streaming and not response.has_header("Content-Length"):
+            response["Content-Length"] = str(len(response.content))  # else uvicorn chunks it
+        headers = [(k.encode("ascii"), v.encode("latin1")) for k, v in response.items()]
+        await emit({"type": "http.response.start", "status": response.status_code,
+                    "headers": headers})
+        if response.streaming:
+            async with contextlib.aclosing(aiter(response)) as content:
+                async for part in content:
+                    await emit({"type": "http.response.body", "body": part,
+                                "more_body": True})
+            await emit({"type": "http.response.body"})
+        else:
+            await emit({"type": "http.response.body", "body": response.content})
+    finally:
+        watch.close()
 
 
 async def _wait_disconnect(receive: Any) -> None:
