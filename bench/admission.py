@@ -11,7 +11,9 @@ worst-case reservation), against the real Redis at ``REDIS_URL``. Policies are b
    ``decisions_per_s`` counts admissions (each followed by its settlement, as in production).
    The admissions and settlements of one event-loop tick share script calls, as in the
    gateway. ``redis_script_us_per_decision`` is Redis's own time per admission + settlement
-   (from ``INFO commandstats``): whether this process or Redis's one thread is the limit.
+   (from ``INFO commandstats``), ``python_cpu_us_per_decision`` this process's CPU time per
+   admission + settlement (the rate headers read, as the gateway reads them): which of the
+   two is the limit, and each side's cost whatever share of the cores other work leaves it.
 3. the floor, in the same run: the same workers make one call per turn of a script that does
    nothing (``NOOP_LUA``) through the same client stack (the pipelined connection and the
    batcher: one EVALSHA per loop tick, as the decisions' calls), for as long as the decisions
@@ -78,11 +80,13 @@ async def run(args: argparse.Namespace) -> dict:
     from billing_platform.redis_conn import get_pipelined
     from plans import admission
     from plans.admission.runtime import batcher_for
+    from plans.admission.wire import pack_op
 
     policies = _policies(args.orgs)
     # the no-op calls go through a batcher of their own on the decisions' connection
     noop = batcher_for(get_pipelined(), NOOP_LUA)
-    noop_keys = [[p.rate_scopes[0][0]] for p in policies]  # one key: its slot routes the call
+    # one key (its slot routes the call), packed once as the policies' static parts are
+    noop_ops = [pack_op("a", [p.rate_scopes[0][0]], []) for p in policies]
 
     # Request ids are the gateway's (made before admission, for x-request-id too): unique ones
     # made here cheaply, so that uuid4 (~5 % of a decision's CPU) is not counted as admission's
@@ -97,6 +101,7 @@ async def run(args: argparse.Namespace) -> dict:
                                         tier="default", zone="global", prompt_tokens=500,
                                         max_output=200)
         elapsed = time.perf_counter() - t0
+        ticket.headers  # noqa: B018 (built when first read, as the gateway reads them)
         if settle:
             await admission.asettle(ticket, prompt_tokens=480, cached_tokens=100,
                                     completion_tokens=150)
@@ -104,7 +109,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     async def floor_one(i: int, *, settle: bool = False) -> float:
         t0 = time.perf_counter()
-        await noop.call("a", noop_keys[i % len(noop_keys)], [])
+        await noop.call(noop_ops[i % len(noop_ops)])
         return time.perf_counter() - t0
 
     def quantiles(samples: list[float]) -> tuple[float, float]:
@@ -118,8 +123,9 @@ async def run(args: argparse.Namespace) -> dict:
     p50, p99 = quantiles([await one(i, settle=False) for i in range(args.latency_n)])
     floor_p50, floor_p99 = quantiles([await floor_one(i) for i in range(args.latency_n)])
 
-    async def throughput(op, seconds: float) -> tuple[int, float]:
+    async def throughput(op, seconds: float) -> tuple[int, float, float]:
         done = 0
+        cpu = time.process_time()
         deadline = time.perf_counter() + seconds
 
         async def worker(w: int) -> None:
@@ -132,20 +138,20 @@ async def run(args: argparse.Namespace) -> dict:
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
-        return done, time.perf_counter() - t0
+        return done, time.perf_counter() - t0, time.process_time() - cpu
 
     # The floor and the decisions take turns (--rounds of each), so that the load other
     # processes put on the shared cores falls on both alike.
     done = floor_done = 0
-    elapsed = floor_elapsed = 0.0
+    elapsed = floor_elapsed = cpu = floor_cpu = 0.0
     redis_us = 0
     for _round in range(args.rounds):
-        n, t = await throughput(floor_one, args.seconds / args.rounds)
-        floor_done, floor_elapsed = floor_done + n, floor_elapsed + t
+        n, t, c = await throughput(floor_one, args.seconds / args.rounds)
+        floor_done, floor_elapsed, floor_cpu = floor_done + n, floor_elapsed + t, floor_cpu + c
         redis_before = await _script_usec()
-        n, t = await throughput(one, args.seconds / args.rounds)
+        n, t, c = await throughput(one, args.seconds / args.rounds)
         redis_us += await _script_usec() - redis_before
-        done, elapsed = done + n, elapsed + t
+        done, elapsed, cpu = done + n, elapsed + t, cpu + c
     decisions_per_s = done / elapsed
     floor_per_s = floor_done / floor_elapsed
     return {
@@ -161,6 +167,11 @@ async def run(args: argparse.Namespace) -> dict:
         # puts on any number of gateway processes is 1e6 / this
         "redis_script_us_per_decision": round(redis_us / max(done, 1), 1),
         "redis_busy_fraction": round(redis_us / 1e6 / elapsed, 2),
+        # this process's CPU (user + system) per decision and per no-op call: what the Python
+        # side costs, whatever share of the cores other processes leave it
+        "python_cpu_us_per_decision": round(cpu * 1e6 / max(done, 1), 1),
+        "python_cpu_us_per_floor_call": round(floor_cpu * 1e6 / max(floor_done, 1), 1),
+        "python_busy_fraction": round(cpu / elapsed, 2),
     }
 
 

@@ -100,13 +100,9 @@ _async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _HiredisPacking:
-    """Mixin for redis-py's asyncio connections: pack commands with hiredis' C packer.
-
-    redis-py's sync client packs with hiredis when it is installed; its asyncio client packs
-    in Python, which was the largest single cost of an admission decision (about 25 argument
-    encodes per Lua call; measured by bench/admission.py). Arguments hiredis refuses fall back
-    to redis-py's own packer, which raises its usual errors.
-    """
+    """Mixin for redis-py's asyncio connections: pack commands with hiredis' C packer (its
+    asyncio client packs in Python, a large cost per admission decision once). Arguments
+    hiredis refuses fall back to redis-py's own packer, which raises its usual errors."""
 
     def pack_command(self, *args):
         name = args[0]
@@ -253,24 +249,28 @@ class PipelinedConnection:
         self.connecting: asyncio.Future | None = None
 
     async def execute(self, *args: Any) -> Any:
+        return await self.execute_packed(hiredis.pack_command(args), args[0])
+
+    async def execute_packed(self, command: bytes, name: Any, key: Any = None) -> Any:
+        """Send a command packed already (RESP; ``key`` routes it on a cluster)."""
         protocol = self.protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
-        return await self._send(protocol, args)
+        return await self._send(protocol, command, name)
 
-    async def _send(self, protocol: _Replies, args: tuple[Any, ...]) -> Any:
+    async def _send(self, protocol: _Replies, command: bytes, name: Any) -> Any:
         waiter = asyncio.get_running_loop().create_future()
         protocol.waiters.append(waiter)
         if protocol.transport is None:  # connection_made set it before _connect returned
             raise redis.exceptions.ConnectionError("Redis connection not made")
-        protocol.transport.write(hiredis.pack_command(args))
+        protocol.transport.write(command)
         try:
             async with asyncio.timeout(self.timeout):
                 return await waiter
         except TimeoutError:
             self._drop(protocol)
             raise redis.exceptions.TimeoutError(
-                f"Redis did not answer {args[0]} within {self.timeout:.1f}s") from None
+                f"Redis did not answer {name} within {self.timeout:.1f}s") from None
 
     def _drop(self, protocol: _Replies) -> None:
         if self.protocol is protocol:
@@ -317,7 +317,7 @@ class PipelinedConnection:
             setup.append(("SELECT", o["db"]))
         try:
             for command in setup:  # before any other command can use the connection
-                await self._send(protocol, command)
+                await self._send(protocol, hiredis.pack_command(command), command[0])
         except BaseException:
             self._drop(protocol)
             raise
@@ -328,34 +328,25 @@ class PipelinedConnection:
         if self.protocol is not None:
             self._drop(self.protocol)
 
-
-    async def execute_asking(self, *args: Any) -> Any:
-        """Run one command after ``ASKING`` (its slot is moving to this node), both written in
-        one write so that no other command comes between them."""
+    async def execute_asking(self, command: bytes, name: Any) -> Any:
+        """Run one packed command after ``ASKING`` (its slot is moving to this node), both
+        written in one write so that no other command comes between them."""
         protocol = self.protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
-        loop = asyncio.get_running_loop()
-        asking, waiter = loop.create_future(), loop.create_future()
-        protocol.waiters.extend((asking, waiter))
-        if protocol.transport is None:
-            raise redis.exceptions.ConnectionError("Redis connection not made")
-        protocol.transport.write(hiredis.pack_command(("ASKING",)) + hiredis.pack_command(args))
-        try:
-            async with asyncio.timeout(self.timeout):
-                await asking
-                return await waiter
-        except TimeoutError:
-            self._drop(protocol)
-            raise redis.exceptions.TimeoutError(
-                f"Redis did not answer {args[0]} within {self.timeout:.1f}s") from None
+        asking = asyncio.get_running_loop().create_future()
+        protocol.waiters.append(asking)
+        result = await self._send(protocol, b"*1\r\n$6\r\nASKING\r\n" + command, name)
+        asking.result()  # ASKING's own error, if any (answered before the command's)
+        return result
 
 
 class Pipelined(Protocol):
-    """What the request path's code calls on a pipelined connection (one server or a
-    cluster)."""
+    """What the request path calls on a pipelined connection (one server or a cluster)."""
 
     async def execute(self, *args: Any) -> Any: ...
+
+    async def execute_packed(self, command: bytes, name: Any, key: Any = None) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -455,13 +446,17 @@ class ClusterPipelinedConnection:
                 answers = await asyncio.gather(*(self._node(a).execute(*args) for a in masters))
                 return answers[0]
             return await self._node((await self._map())[0]).execute(*args)
+        return await self.execute_packed(hiredis.pack_command(args), args[0], key)
+
+    async def execute_packed(self, command: bytes, name: Any, key: Any = None) -> Any:
+        """Send a packed command to the master of ``key``'s slot."""
         slot = key_slot(key.encode() if isinstance(key, str) else key)
         address = (await self._map())[slot]
         try:
-            return await self._node(address).execute(*args)
+            return await self._node(address).execute_packed(command, name)
         except NotConnected:
             address = (await self._refresh())[slot]
-            return await self._node(address).execute(*args)
+            return await self._node(address).execute_packed(command, name)
         except redis.exceptions.ConnectionError:
             # lost in flight (maybe run): not sent again, but the next command finds the new
             # owner
@@ -474,9 +469,9 @@ class ClusterPipelinedConnection:
             host, _, port = redirect[2].rpartition(":")
             target = (host or address[0], int(port))
             if redirect[0] == "ASK":
-                return await self._node(target).execute_asking(*args)
+                return await self._node(target).execute_asking(command, name)
             self.slots = None  # the map moved: read all of it before the next command
-            return await self._node(target).execute(*args)
+            return await self._node(target).execute_packed(command, name)
 
     def close(self) -> None:
         for connection in self.nodes.values():

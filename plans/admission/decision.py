@@ -3,7 +3,7 @@
 Why a module of its own: the Lua in ``scripts`` decides, but everything it is told and
 everything it answers is built and read here, with no IO: what a request may cost at worst
 (``worst_case_micro``) and what it did cost (``actual_micro``), the KEYS and ARGV of an
-admission (``build_admit``) and of its settlement (``Ticket.settle_args``), OpenAI's
+admission (``admit_op``) and of its settlement (``Ticket.settle_op``), OpenAI's
 ``x-ratelimit-*`` headers, and the words and code of each 429. ``runtime`` sends what this
 module builds; tests can check a decision's arguments and texts without Redis.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
 
@@ -24,9 +24,11 @@ from plans.admission.policy import (
     QuotaPolicy,
     month_tag,
     prov_key,
+    reservations_key,
     to_micro,
     window_key,
 )
+from plans.admission.wire import Frame, Op, bulk, ints
 from plans.pricing import (
     ModelPricing,
     TokenCounts,
@@ -181,7 +183,7 @@ def rate_headers(raw: Sequence[RedisValue]) -> dict[str, str]:
     return headers
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     """An admitted request: what it holds, and how to settle it."""
 
@@ -192,45 +194,101 @@ class Ticket:
     estimate_tokens: int
     estimate_norm: int
     capacity: str
-    headers: dict[str, str]
-    budget_keys: list[str]
+    rate_state: Sequence[RedisValue]  # the script's limits, remaining and resets (6 values)
+    month: str  # of the budget keys the admission named
     reservation: str = ""  # the member of the org's reservation ZSET ("" when none)
     admitted_ms: int = 0  # Redis's clock at admission
     settled: bool = False
-    window_key: str = ""
+    _headers: dict[str, str] | None = field(default=None, repr=False)
 
-    def settle_args(self, *, prompt_tokens: int, cached_tokens: int,
-                    completion_tokens: int) -> tuple[list[str], list[Arg]]:
+    @property
+    def headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers at admission (and the capacity it was served
+        from, unless on demand); built when first asked for."""
+        if self._headers is None:
+            self._headers = rate_headers(self.rate_state)
+            if self.capacity != "on_demand":
+                self._headers["x-tollgate-capacity"] = self.capacity
+        return self._headers
+
+    @property
+    def budget_keys(self) -> list[str]:
+        return self.policy.budget_keys(self.month)
+
+    def settle_op(self, *, prompt_tokens: int, cached_tokens: int,
+                  completion_tokens: int) -> Op:
+        """Return the settlement's operation (``scripts.ADMIT_LUA``'s ``settle``)."""
         p = self.policy
+        prov = p.provisioned if self.capacity == "provisioned" else None
         cost = actual_micro(p.pricing, tier=self.tier, zone=self.zone,
                             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                             completion_tokens=completion_tokens)
-        keys = [p.static_admit[0][0], *self.budget_keys]  # the reservations key first
-        refunds = p.tpm_scopes
-        prov = p.provisioned if self.capacity == "provisioned" else None
-        argv: list[Arg] = [self.reservation, len(self.budget_keys), int(bool(self.window_key)),
-                           len(refunds) + int(prov is not None), self.admitted_ms]
+        dyn = [self.admitted_ms, self.estimate_tokens - prompt_tokens - completion_tokens]
         for rule in p.budgets:
-            argv.append(cost if rule.coefficients is None else credits_micro(
+            dyn.append(cost if rule.coefficients is None else credits_micro(
                 rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                 completion_tokens=completion_tokens))
-        if self.window_key and p.window is not None:
-            keys.append(self.window_key)
-            argv += [credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
-                                   cached_tokens=cached_tokens,
-                                   completion_tokens=completion_tokens), p.window.window_ms]
-        unused = self.estimate_tokens - prompt_tokens - completion_tokens
-        for key, cap in refunds:
-            keys.append(key)
-            argv += [cap, unused]
+        if p.window is not None:
+            dyn.append(credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
+                                     cached_tokens=cached_tokens,
+                                     completion_tokens=completion_tokens))
         if prov is not None:
-            norm = normalized_tokens(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                                     completion_tokens=completion_tokens,
-                                     cache_burndown=prov.cache_burndown,
-                                     output_burndown=prov.output_burndown)
-            keys.append(prov_key(p.org_id, prov.reservation_id))
-            argv += [prov.tokens_per_minute, self.estimate_norm - norm]
-        return keys, argv
+            dyn.append(self.estimate_norm - normalized_tokens(
+                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                completion_tokens=completion_tokens, cache_burndown=prov.cache_burndown,
+                output_burndown=prov.output_burndown))
+        return _settle_frame(p, self.month, prov is not None).op(
+            bulk(self.reservation) + ints(dyn))
+
+
+def _admit_frame(p: QuotaPolicy, month: str) -> Frame:
+    """Return the policy's admission frame for budget keys of ``month`` (cached on it)."""
+    hit: tuple[str, Frame] | None = p.__dict__.get("_admit_frame")
+    if hit is not None and hit[0] == month:
+        return hit[1]
+    rate_keys, rate_argv = p.static_admit
+    keys = [*rate_keys, *p.budget_keys(month)]
+    static: list[Arg] = [RESERVATION_TTL_MS, len(p.rate_scopes), len(p.budgets),
+                         int(p.provisioned is not None), int(p.window is not None), *rate_argv]
+    for limit, seed, hard in p.budget_static:
+        static += [limit, seed, hard]
+    if p.window is not None:
+        w = p.window
+        keys.append(window_key(p.org_id, w.subscription_id))
+        static += [to_micro(w.limit), w.window_ms, " ".join(f"{m} {v}" for m, v in w.seed)]
+    if p.provisioned is not None:
+        r = p.provisioned
+        keys.append(prov_key(p.org_id, r.reservation_id))
+        static += [r.tokens_per_minute, int(r.reject_overflow)]
+    frame = Frame("a", keys, static, 2 + len(p.budgets) + int(p.window is not None)
+                  + int(p.provisioned is not None))
+    p.__dict__["_admit_frame"] = (month, frame)
+    return frame
+
+
+def _settle_frame(p: QuotaPolicy, month: str, prov: bool) -> Frame:
+    """Return the policy's settlement frame (budget keys of ``month``; with the provisioned
+    bucket or not), cached on it."""
+    frames: dict[tuple[str, bool], Frame] = p.__dict__.setdefault("_settle_frames", {})
+    frame = frames.get((month, prov))
+    if frame is not None:
+        return frame
+    keys = [reservations_key(p.org_id), *p.budget_keys(month)]
+    static: list[Arg] = [len(p.budgets), int(p.window is not None), len(p.tpm_scopes),
+                         int(prov)]
+    if p.window is not None:
+        keys.append(window_key(p.org_id, p.window.subscription_id))
+        static.append(p.window.window_ms)
+    keys += [k for k, _tpm in p.tpm_scopes]
+    static += [tpm for _k, tpm in p.tpm_scopes]
+    if prov and p.provisioned is not None:
+        keys.append(prov_key(p.org_id, p.provisioned.reservation_id))
+        static.append(p.provisioned.tokens_per_minute)
+    if len(frames) > 16:  # months and capacities seen by one cached policy: a few
+        frames.clear()
+    frame = frames[(month, prov)] = Frame("s", keys, static, 3 + len(p.budgets) + int(
+        p.window is not None) + int(prov))
+    return frame
 
 
 SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
@@ -238,44 +296,29 @@ SPEND_CODES = {"organization": "organization_spend_limit_exceeded",
                "end_user": "end_user_spend_limit_exceeded"}
 
 
-def build_admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
-                prompt_tokens: int, max_output: int, month: str | None = None
-                ) -> tuple[list[str], list[Arg], list[str], int]:
-    """Return (KEYS, ARGV, budget keys, normalized estimate) of one admission.
-
-    The window key, when the policy has one, follows the budget keys in KEYS.
-    """
+def admit_op(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
+             prompt_tokens: int, max_output: int, month: str | None = None
+             ) -> tuple[Op, str, int]:
+    """Return (operation, month of its budget keys, normalized estimate) of one admission
+    (``scripts.ADMIT_LUA``'s ``admit``)."""
     p = policy
-    est = prompt_tokens + max_output
-    static_keys, static_argv = p.static_admit
-    keys = list(static_keys)
-    argv: list[Arg] = [request_id, RESERVATION_TTL_MS, est, len(p.rate_scopes),
-                       len(p.budgets), int(p.provisioned is not None),
-                       int(p.window is not None), *static_argv]
-    bkeys: list[str] = []
+    month = month or month_tag()
+    dyn = [prompt_tokens + max_output]
     if p.budgets:
         worst = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
                                  max_output=max_output)
-        bkeys = p.budget_keys(month or month_tag())
-        keys += bkeys
-        for b, (limit, seed, hard) in zip(p.budgets, p.budget_static, strict=True):
-            rule_worst = worst if b.coefficients is None else credits_micro(
+        for b in p.budgets:
+            dyn.append(worst if b.coefficients is None else credits_micro(
                 b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
-                completion_tokens=max_output)
-            argv += [limit, rule_worst, seed, hard]
+                completion_tokens=max_output))
     if p.window is not None:
-        w = p.window
-        keys.append(window_key(p.org_id, w.subscription_id))
-        argv += [to_micro(w.limit), credits_micro(w.coefficients, prompt_tokens=prompt_tokens,
-                                                  cached_tokens=0, completion_tokens=max_output),
-                 w.window_ms, " ".join(f"{m} {v}" for m, v in w.seed)]
+        dyn.append(credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
+                                 cached_tokens=0, completion_tokens=max_output))
     norm = 0
     if p.provisioned is not None:
-        r = p.provisioned
-        norm = math.ceil(prompt_tokens + max_output * r.output_burndown)
-        keys.append(prov_key(p.org_id, r.reservation_id))
-        argv += [r.tokens_per_minute, norm, int(r.reject_overflow)]
-    return keys, argv, bkeys, norm
+        norm = math.ceil(prompt_tokens + max_output * p.provisioned.output_burndown)
+        dyn.append(norm)
+    return _admit_frame(p, month).op(bulk(request_id) + ints(dyn)), month, norm
 
 
 def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue], retry_ms: int,

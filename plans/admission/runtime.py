@@ -33,9 +33,8 @@ from billing_platform.redis_conn import (
 )
 from plans.admission import loading, scripts
 from plans.admission.decision import (
-    Arg,
     Ticket,
-    build_admit,
+    admit_op,
     explain,
     rate_headers,
     spend_limit_error,
@@ -47,8 +46,8 @@ from plans.admission.policy import (
     month_tag,
     rate_key,
     rule_key,
-    window_key,
 )
+from plans.admission.wire import Op, evalsha
 from plans.metrics import POLICY_RELOAD_FAILURES, timed_admission
 
 log = logging.getLogger(__name__)
@@ -152,17 +151,14 @@ async def apolicy(*, org_id: int, project_id: int, key_id: int, model: str) -> Q
                                project_id=project_id, key_id=key_id, model=model)
 
 
-# One operation of a batch: its kind ('a' admit | 's' settle), KEYS, ARGV, and who waits.
-_Op = tuple[str, list[str], list[Arg], asyncio.Future[Any]]
-
-
 class _Batcher:
     """Send the admissions and settlements of one event-loop tick as ONE script call.
 
     The script runs them one after the other, each exactly as it would run alone (a batch
     only shares the round trip, the command parsing and the script's start-up, which is what
     bounds decisions per second from one process); an operation that fails answers its own
-    error. A request waits at most one loop iteration longer than it would alone.
+    error. A request waits at most one loop iteration longer than it would alone. Operations
+    come packed (``wire.Op``): a batch is their bytes joined under one ``EVALSHA`` header.
     All keys of one organization share a hash tag; a batch mixes organizations, so this
     batcher serves one Redis server; on a Redis Cluster ``_SlotBatcher`` keeps one per slot.
     """
@@ -170,64 +166,69 @@ class _Batcher:
     def __init__(self, connection: Pipelined, source: str = scripts.STEP_LUA) -> None:
         self.connection = connection
         self.source = source  # the script's Lua (bench/admission.py's floor runs a no-op)
-        self.pending: list[_Op] = []
+        self.pending: list[Op] = []
+        self.futures: list[asyncio.Future[Any]] = []
         self.scheduled = False
         self.flushing: set[asyncio.Task[None]] = set()
         self.sha: str | None = None
 
-    async def call(self, kind: str, keys: list[str], argv: list[Arg]) -> Any:
+    async def call(self, op: Op) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((kind, keys, argv, future))
+        self.pending.append(op)
+        self.futures.append(future)
         if len(self.pending) >= MAX_BATCH:
             # A full batch goes now: Redis runs it while this process prepares the next one.
-            self._spawn(loop, self.pending)
-            self.pending = []
+            self._spawn(loop, self.pending, self.futures)
+            self.pending, self.futures = [], []
         elif not self.scheduled:
             # The flush's first step runs at the next loop iteration, after every other
             # call() made in this one has joined the batch.
             self.scheduled = True
-            self._spawn(loop, None)
+            self._spawn(loop, None, None)
         return await future
 
-    def _spawn(self, loop: asyncio.AbstractEventLoop, batch: list[_Op] | None) -> None:
-        task = loop.create_task(self._flush(batch))
+    def _spawn(self, loop: asyncio.AbstractEventLoop, batch: list[Op] | None,
+               futures: list[asyncio.Future[Any]] | None) -> None:
+        task = loop.create_task(self._flush(batch, futures))
         self.flushing.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self.flushing.discard)
 
-    async def _run(self, batch: list[_Op]) -> list[Any]:
-        all_keys: list[str] = []
-        all_argv: list[Arg] = [len(batch)]
-        for kind, keys, argv, _future in batch:
-            all_keys += keys
-            all_argv += [kind, len(keys), len(argv), *argv]
-        if self.sha is None:
-            self.sha = await self.connection.execute("SCRIPT", "LOAD", self.source)
+    async def _load(self) -> str:
+        sha: str = await self.connection.execute("SCRIPT", "LOAD", self.source)
+        self.sha = sha
+        return sha
+
+    async def _run(self, batch: list[Op]) -> list[Any]:
+        sha = self.sha or await self._load()
+        route = batch[0][0]
         results: list[Any]
         try:
-            results = await self.connection.execute(
-                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+            results = await self.connection.execute_packed(
+                evalsha(sha.encode(), batch), "EVALSHA", route)
         except NoScriptError:
             # Redis lost its script cache (a restart): nothing ran; load it and run again.
-            self.sha = await self.connection.execute("SCRIPT", "LOAD", self.source)
-            results = await self.connection.execute(
-                "EVALSHA", self.sha, len(all_keys), *all_keys, *all_argv)
+            sha = await self._load()
+            results = await self.connection.execute_packed(
+                evalsha(sha.encode(), batch), "EVALSHA", route)
         return results
 
-    async def _flush(self, batch: list[_Op] | None) -> None:
-        if batch is None:
+    async def _flush(self, batch: list[Op] | None,
+                     futures: list[asyncio.Future[Any]] | None) -> None:
+        if batch is None or futures is None:
             self.scheduled = False
-            batch, self.pending = self.pending, []
+            batch, futures = self.pending, self.futures
             if not batch:
                 return
+            self.pending, self.futures = [], []
         try:
             results = await self._run(batch)
         except Exception as exc:
-            for *_rest, future in batch:
+            for future in futures:
                 if not future.done():
                     future.set_exception(exc)
             return
-        for (*_rest, future), result in zip(batch, results, strict=True):
+        for future, result in zip(futures, results, strict=True):
             if future.done():
                 continue
             if isinstance(result, Exception):
@@ -246,14 +247,14 @@ class _SlotBatcher:
         self.source = source
         self.slots: dict[int, _Batcher] = {}
 
-    async def call(self, kind: str, keys: list[str], argv: list[Arg]) -> Any:
-        slot = key_slot(keys[0].encode())
+    async def call(self, op: Op) -> Any:
+        slot = key_slot(op[0].encode())
         batcher = self.slots.get(slot)
         if batcher is None:
             batcher = self.slots[slot] = _Batcher(self.connection, self.source)
             # the script is loaded on every master: a slot's first batch need not load it
             batcher.sha = next((b.sha for b in self.slots.values() if b.sha), None)
-        return await batcher.call(kind, keys, argv)
+        return await batcher.call(op)
 
 
 # Operations per script call: big enough to share the round trip, small enough that two
@@ -315,22 +316,14 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         raise QuotaExceeded(f"Your token plan's credits are exhausted: "
                             f"{policy.plan_exhausted}. Buy a credit pack or wait.",
                             code="plan_quota_exhausted", headers={"retry-after": "60"})
-    keys, argv, bkeys, norm = build_admit(
-        policy, request_id=request_id, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
-        max_output=max_output)
-    raw = await _batcher().call("a", keys, argv)
-    ok, reason, retry, capacity = int(raw[0]), raw[1], int(raw[2]), raw[3]
-    if not ok:
-        raise explain(policy, reason, raw[4:10], retry, estimate=prompt_tokens + max_output)
-    headers = rate_headers(raw[4:10])
-    if capacity != "on_demand":
-        headers["x-tollgate-capacity"] = capacity
-    return Ticket(policy=policy, request_id=request_id, tier=tier, zone=zone,
-                  estimate_tokens=prompt_tokens + max_output, estimate_norm=norm,
-                  capacity=capacity, headers=headers, budget_keys=bkeys, reservation=raw[10],
-                  admitted_ms=int(raw[11]),
-                  window_key=(window_key(policy.org_id, policy.window.subscription_id)
-                              if policy.window is not None else ""))
+    op, month, norm = admit_op(policy, request_id=request_id, tier=tier, zone=zone,
+                               prompt_tokens=prompt_tokens, max_output=max_output)
+    raw = await _batcher().call(op)
+    if raw[0] != 1:
+        raise explain(policy, raw[1], raw[4:10], int(raw[2]),
+                      estimate=prompt_tokens + max_output)
+    return Ticket(policy, request_id, tier, zone, prompt_tokens + max_output, norm, raw[3],
+                  raw[4:10], month, raw[10], raw[11])
 
 
 async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int = 0,
@@ -339,9 +332,9 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
     if ticket.settled:
         return
     ticket.settled = True
-    keys, argv = ticket.settle_args(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                                    completion_tokens=completion_tokens)
-    await _batcher().call("s", keys, argv)
+    await _batcher().call(ticket.settle_op(prompt_tokens=prompt_tokens,
+                                           cached_tokens=cached_tokens,
+                                           completion_tokens=completion_tokens))
 
 
 # --- read-only state for answers that were not admitted ------------------------------------

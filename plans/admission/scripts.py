@@ -2,9 +2,11 @@
 
 Why a module of its own: the scripts share one prelude (Redis's clock, releasing reservations,
 the request window, the token bucket) and each has a wire contract with the Python that builds
-its KEYS and ARGV (``decision.build_admit``, ``Ticket.settle_args``, ``runtime.apeek_headers``,
-``plans.quotas.budget_reconcile``). Keeping all of them here, and nothing else, lets a reader
-check a contract in one place and change the Lua without reading the Python around it.
+its KEYS and ARGV (``decision.admit_op``, ``Ticket.settle_op``, ``runtime.apeek_headers``,
+``plans.quotas.budget_reconcile``). An admission's and a settlement's ARGV list the policy's
+values first and the request's last, so that the gateway packs the policy's once (``wire``).
+Keeping all of them here, and nothing else, lets a reader check a contract in one place and
+change the Lua without reading the Python around it.
 
 Why Lua at all: a check followed by a separate write lets two gateway processes both pass the
 check (budgets exceeded under concurrency, rate limits multiplied by the replica count). A
@@ -82,23 +84,23 @@ end
 ADMIT_LUA = r"""
 -- Budgets and the token plan's window: the first that this request's worst case would
 -- overrun, and what each would take.
-local function spend_check(ki, ai, n_bud, has_win)
+local function spend_check(ki, ai, di, n_bud, has_win)
   local bud, win = {}, nil
   for i = 1, n_bud do
-    local key, o = KEYS[ki + i - 1], ai + (i - 1) * 4
-    local limit, worst, hard = tonumber(ARGV[o]), tonumber(ARGV[o + 1]), ARGV[o + 3] == '1'
+    local key, o = KEYS[ki + i - 1], ai + (i - 1) * 3
+    local limit, worst, hard = tonumber(ARGV[o]), tonumber(ARGV[di + i - 1]), ARGV[o + 2] == '1'
     local b = redis.call('HMGET', key, 'spent', 'reserved')
-    local spent, reserved = tonumber(b[1] or ARGV[o + 2]), tonumber(b[2] or '0')
-    bud[i] = {key, hard and worst or 0, not b[1], ARGV[o + 2]}
+    local spent, reserved = tonumber(b[1] or ARGV[o + 1]), tonumber(b[2] or '0')
+    bud[i] = {key, hard and worst or 0, not b[1], ARGV[o + 1]}
     if hard and spent + reserved + worst > limit then
       if spent + worst > limit then return 'budget:' .. i, -1, bud, win end
       return 'budget:' .. i, 1000, bud, win
     end
   end
   if has_win then
-    local key, o = KEYS[ki + n_bud], ai + n_bud * 4
-    local limit, worst, wms, seed = tonumber(ARGV[o]), tonumber(ARGV[o + 1]),
-      tonumber(ARGV[o + 2]), ARGV[o + 3]
+    local key, o = KEYS[ki + n_bud], ai + n_bud * 3
+    local limit, worst, wms, seed = tonumber(ARGV[o]), tonumber(ARGV[di + n_bud]),
+      tonumber(ARGV[o + 1]), ARGV[o + 2]
     if redis.call('EXISTS', key) == 0 then
       redis.call('HSET', key, 'reserved', 0)
       for m, v in string.gmatch(seed, '(%S+) (%S+)') do
@@ -135,15 +137,18 @@ local function spend_check(ki, ai, n_bud, has_win)
 end
 
 -- KEYS: res, rate keys, budget keys, window key?, provisioned key?
--- ARGV: request id, ttl, estimate, n_rate, n_bud, has_prov, has_win;
---   per rate key: rpm (-1: none), tpm (-1: none); per budget: limit, worst, seed, hard;
---   window: limit, worst, ms, seed; provisioned: tokens per minute, need, reject overflow
+-- ARGV, the policy's: ttl, n_rate, n_bud, has_prov, has_win; per rate key: rpm (-1: none),
+--   tpm (-1: none); per budget: limit, seed, hard; window: limit, ms, seed; provisioned:
+--   tokens per minute, reject overflow; then the request's: request id, estimate, per budget
+--   its worst case, window: worst case, provisioned: need
 local function admit(ki, ai)
   local res = KEYS[ki]
-  local rid, ttl, est = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local n_rate, n_bud = tonumber(ARGV[ai + 3]), tonumber(ARGV[ai + 4])
-  local has_prov, has_win = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
-  ki, ai = ki + 1, ai + 7
+  local ttl, n_rate, n_bud = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  local has_prov, has_win = ARGV[ai + 3] == '1', ARGV[ai + 4] == '1'
+  ki, ai = ki + 1, ai + 5
+  local di = ai + 2 * n_rate + 3 * n_bud + (has_win and 3 or 0) + (has_prov and 2 or 0)
+  local rid, est = ARGV[di], tonumber(ARGV[di + 1])
+  di = di + 2
 
   -- 1. check everything; write nothing yet (but drop request buckets that left the window)
   local reject, retry, req_retry = false, 0, nil
@@ -189,20 +194,21 @@ local function admit(ki, ai)
   local bud, win = {}, nil
   if n_bud > 0 or has_win then
     local why, wait
-    why, wait, bud, win = spend_check(ki, ai, n_bud, has_win)
+    why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win)
     -- Reservations of crashed requests only matter when they would refuse this one.
     if why and not reject and release_expired(res) > 0 then
-      why, wait, bud, win = spend_check(ki, ai, n_bud, has_win)
+      why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win)
     end
     if why and not reject then reject, retry = why, wait end
     ki = ki + n_bud + (has_win and 1 or 0)
-    ai = ai + n_bud * 4 + (has_win and 4 or 0)
   end
+  ai = ai + n_bud * 3 + (has_win and 3 or 0)
+  di = di + n_bud + (has_win and 1 or 0)
 
   local capacity, prov = 'on_demand', nil
   if has_prov then
     local key = KEYS[ki]
-    local cap, need, rej = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), ARGV[ai + 2] == '1'
+    local cap, need, rej = tonumber(ARGV[ai]), tonumber(ARGV[di]), ARGV[ai + 1] == '1'
     local h = redis.call('HMGET', key, 't', 'ts')
     local level = bucket_level(h[1], h[2], cap)
     if need <= level then
@@ -271,14 +277,20 @@ local function admit(ki, ai)
           now}
 end
 
--- KEYS: res, budget keys, window key?, token bucket keys (rate keys, provisioned)
--- ARGV: reservation member ('' when none), n_bud, has_win, n_buckets, admitted at (ms);
---   per budget: actual; window: actual, ms; per bucket: capacity, refund
+-- KEYS: res, budget keys, window key?, token bucket keys (the TPM scopes'), provisioned key?
+-- ARGV, the policy's: n_bud, has_win, n_tok, has_prov, window: ms; capacity per bucket,
+--   provisioned: capacity; then the request's: reservation member ('' when none), admitted at
+--   (ms), tokens unused (each bucket's refund), per budget: actual, window: actual,
+--   provisioned: refund
 local function settle(ki, ai)
-  local res, member = KEYS[ki], ARGV[ai]
-  local n_bud, has_win, n_tok = tonumber(ARGV[ai + 1]), ARGV[ai + 2] == '1', tonumber(ARGV[ai + 3])
-  local admitted = tonumber(ARGV[ai + 4])
-  ki, ai = ki + 1, ai + 5
+  local res = KEYS[ki]
+  local n_bud, has_win, n_tok = tonumber(ARGV[ai]), ARGV[ai + 1] == '1', tonumber(ARGV[ai + 2])
+  local has_prov = ARGV[ai + 3] == '1'
+  local wms = has_win and tonumber(ARGV[ai + 4]) or 0
+  local ci = ai + 4 + (has_win and 1 or 0)  -- capacities
+  local di = ci + n_tok + (has_prov and 1 or 0)
+  local member, admitted, unused = ARGV[di], tonumber(ARGV[di + 1]), tonumber(ARGV[di + 2])
+  ki, ai = ki + 1, di + 3
   local held, released = {}, 0
   if member ~= '' and redis.call('ZREM', res, member) == 1 then
     released = 1
@@ -299,7 +311,7 @@ local function settle(ki, ai)
   end
   if has_win then
     local key = KEYS[ki]; ki = ki + 1
-    local actual, wms = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
+    local actual = tonumber(ARGV[ai]); ai = ai + 1
     local amt = held[key] or 0
     held[key] = nil
     -- A missing key is seeded from the ledger at the next admission (this request included
@@ -313,9 +325,10 @@ local function settle(ki, ai)
   for key, amt in pairs(held) do  -- held under a key this settlement no longer names
     if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'reserved', 0 - amt) end
   end
-  for i = 1, n_tok do
-    local key = KEYS[ki]; ki = ki + 1
-    local cap, refund = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]); ai = ai + 2
+  for i = 1, n_tok + (has_prov and 1 or 0) do
+    local key, cap, refund = KEYS[ki], tonumber(ARGV[ci + i - 1]), unused
+    ki = ki + 1
+    if i > n_tok then refund = tonumber(ARGV[ai]) end  -- provisioned: its own refund
     if refund > 0 and now - admitted < RATE_TTL - 20000 then
       -- The bucket's key outlives its admission by RATE_TTL: it exists. Adding to the stored
       -- level equals adding to the refilled one, as levels are capped when read.
