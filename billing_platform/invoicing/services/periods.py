@@ -289,6 +289,23 @@ def _close_chunks(chunks: list[list[Target]], *, now: datetime, enqueue_payments
         return list(pool.map(close_in_thread, chunks))
 
 
+MIN_PARALLEL_CHUNK = 50  # fewer organizations than this a chunk are not worth a connection
+
+
+def _split(targets: list[Target], most: int) -> list[list[Target]]:
+    """Split ``targets`` into chunks of at most ``most``, of even sizes, as many as a multiple
+    of the workers where each gets ``MIN_PARALLEL_CHUNK`` organizations or more, so no worker
+    idles while another closes the last chunk (300 orgs were one chunk on one connection, the
+    other idle: two thirds of the speed of a larger run)."""
+    workers = 1 if connection.in_atomic_block else max(1, settings.INVOICING_CLOSE_WORKERS)
+    count = -(-len(targets) // most)
+    if count % workers:
+        count = min(-(-count // workers) * workers,
+                    max(count, len(targets) // MIN_PARALLEL_CHUNK))
+    size = -(-len(targets) // count)
+    return [targets[i:i + size] for i in range(0, len(targets), size)]
+
+
 def period_close_run(*, now: datetime | None = None, org_ids: Iterable[int] | None = None,
                      enqueue_payments: bool = True, chunk: int | None = None,
                      acting_user: Any = None) -> CloseReport:
@@ -308,7 +325,7 @@ def period_close_run(*, now: datetime | None = None, org_ids: Iterable[int] | No
         if not targets:
             break
         report.passes += 1
-        chunks = [targets[i:i + chunk] for i in range(0, len(targets), chunk)]
+        chunks = _split(targets, chunk)
         created = sum(_close_chunks(chunks, now=now, enqueue_payments=enqueue_payments,
                                     report=report, acting_user=acting_user))
         report.invoices += created
