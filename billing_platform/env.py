@@ -177,9 +177,13 @@ BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTI
 # the next probe once they are there (and they queue ahead of batch: lowest priority). 1: on
 # the 2-core bench (bench/batch_interference.py, 16,000 requests, calm machine) none free gave
 # an idle fill of 1.03 but interactive TTFT p99 1.78x (90 % interval 1.66-1.91: arrivals wait
-# for a running line to end, engines do not preempt); one free of 16 gave p99 0.69x, p50 1.03x,
-# and an idle fill of 0.72 (326 lines/s against 451 unguarded; why so much more than 1/16 is
-# not understood yet). Interactive latency is what the guard is for: 1.
+# for a running line to end, engines do not preempt); one free of 16 gave p99 0.69x, p50 1.03x.
+# On an idle fleet one free slot of 16 costs at most its share of the slots: where the engines
+# bound the rate (2 x 16 slots at 100 tokens/s) 0.90 of the unguarded lines/s, where the host's
+# CPU does about nothing (8 and 10 alternating rounds: 0.99, 1.15). Slices on the shared 2-core
+# host vary 2x and more: one earlier run read 0.72 (three 5 s slices of each kind), a run at
+# load average 12-14 0.77 with a 90 % interval of 0.55-1.00 (six 3 s slices). Interactive
+# latency is what the guard is for: 1.
 BATCH_FREE_SLOTS: int = env.int("TOLLGATE_BATCH_FREE_SLOTS", default=1)
 BATCH_IDLE_S: float = env.float("TOLLGATE_BATCH_IDLE_S", default=2.0)
 # Above the floor, the share grows by this much of each engine's slots at a time, each step
