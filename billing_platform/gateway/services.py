@@ -8,7 +8,6 @@ Errors are domain errors (``billing_platform.errors``); ``gateway/errors.py`` an
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
@@ -440,8 +440,10 @@ def _serving_tier(req: InferenceRequest, allowed: set[str] | None) -> str:
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    """One server-sent event; a frame per token, so orjson (a tenth of json.dumps' time)."""
+    if isinstance(obj, str):
+        return f"data: {obj}\n\n".encode()
+    return b"data: " + orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 async def _relay(call: EngineCall, *, req: InferenceRequest, tier: str, object_id: str,
