@@ -176,13 +176,8 @@ class Ingestor:
         self._stop = threading.Event()
         self.writers = max(1, writers)
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=self.writers + 1)
-        # A batch is read only once a writer will take it soon: at most ``writers`` wait in
-        # the queue, each holding a slot from before its read until a writer takes it.
-        # Read ahead any further and each queued batch is the few entries that arrived since
-        # the last read, taken early: under steady traffic the writers then work through
-        # many small batches, each paying the fixed cost of a transaction, while entries
-        # wait behind them (seconds of lag at 80 % of the throughput). Read late, a batch
-        # holds everything that arrived while the writers were busy.
+        # A slot is held from before a read until a writer takes the batch: read late, a batch
+        # holds all that came while the writers were busy (not many small ones queued early).
         self._slots = threading.BoundedSemaphore(self.writers)
         self._stats_lock = threading.Lock()
         self._writer_error: BaseException | None = None
@@ -253,25 +248,19 @@ class Ingestor:
 
     def _slot(self) -> bool:
         """Wait for a free read slot (see ``__init__``); False when stopping instead."""
-        while not self._slots.acquire(timeout=0.5):
-            if self._stop.is_set():
-                return False
-        return True
+        return any(self._slots.acquire(timeout=0.5) for _ in iter(self._stop.is_set, True))
 
     def _put(self, batch: Batch) -> None:
         """Queue a batch read under a slot; the writer that takes it frees the slot."""
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self._queue.put(batch, timeout=0.5)
-            except queue.Full:
-                continue
-            return
+                return
         self._slots.release()
 
     def _take(self, timeout: float | None = None) -> Batch | None:
         """Return the next batch (or an end mark), freeing its read slot."""
-        batch = self._queue.get(timeout=timeout)
-        if batch is not None:
+        if (batch := self._queue.get(timeout=timeout)) is not None:
             self._slots.release()
         return batch
 
@@ -280,29 +269,25 @@ class Ingestor:
         whether there was one."""
         if not self._slot():
             return False
+        batch = None
         try:
-            return self._read_shard_in_slot(key, claim=claim)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _read_shard_in_slot(self, key: str, *, claim: bool) -> bool:
-        if claim:
-            entries = self._claim(key)
-            if entries:
-                self._reader_idle.clear()
+            if claim and (entries := self._claim(key)):
                 self.stats.claimed += len(entries)
                 log.info("reclaimed %d pending usage entries of %s", len(entries), key)
-                self._put(self._decode(entries, claimed=True, key=key))
-                return True
-            self._forget_dead_consumers(key)
-        ids_blob, payload_blob = self._read_script(
-            keys=[key], args=[self.group, self.name, self.batch_size])
-        if not ids_blob:
-            self._slots.release()
+                batch = self._decode(entries, claimed=True, key=key)
+            else:
+                if claim:
+                    self._forget_dead_consumers(key)
+                ids_blob, payload_blob = self._read_script(
+                    keys=[key], args=[self.group, self.name, self.batch_size])
+                batch = self._decode_blob(ids_blob, payload_blob, key) if ids_blob else None
+        finally:
+            if batch is None:
+                self._slots.release()
+        if batch is None:
             return False
         self._reader_idle.clear()
-        self._put(self._decode_blob(ids_blob, payload_blob, key))
+        self._put(batch)
         return True
 
     def _read_loop(self) -> None:

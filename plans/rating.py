@@ -263,13 +263,7 @@ class _Batch:
         self.units: dict[tuple[Any, ...], tuple[int, ...] | None] = {}
         self._series: dict[tuple[Any, ...], tuple[list[datetime], list[ModelPricing | None]]] = {}
         # (kind, subscription) per event, resolved once
-        self.plan: list[tuple[str, Subscription | None]]
-        if self.subs:
-            self.plan = [self.kind_of(f) for f in facts]
-        else:  # no subscription in force: kind_of decides by the capacity source alone
-            provisioned, on_demand = (_PROVISIONED_KIND, None), (_ON_DEMAND, None)
-            self.plan = [provisioned if f.capacity_source == _PROVISIONED else on_demand
-                         for f in facts]
+        self.plan: list[tuple[str, Subscription | None]] = [self.kind_of(f) for f in facts]
         plan_facts = [(f, sub) for f, (kind, sub) in zip(facts, self.plan, strict=True)
                       if kind == _TOKEN_PLAN and sub is not None]
         self.plan_state: TokenPlanLedger | None = None
