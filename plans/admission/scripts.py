@@ -26,6 +26,7 @@ local RATE_TTL = 120000
 
 local function int(x) return string.format('%d', x) end
 local secf = int(sec)  -- the current second's bucket (a field name)
+local sec_ms = sec * 1000
 
 local function release(member)
   for key, amt in string.gmatch(member, ' (%S+) (%S+)') do
@@ -159,31 +160,40 @@ local function admit(ki, ai)
     local key, limit, cap = KEYS[ki], tonumber(ARGV[ai]), tonumber(ARGV[ai + 1])
     ki, ai = ki + 1, ai + 2
     local h = redis.call('HMGET', key, 'n', 'lo', secf, 't', 'ts')
+    local ts = tonumber(h[5])
     -- the key's TTL is renewed by the first admission of each second (it outlives the
     -- second's bucket by far), not by every admission
-    local renew = not h[5] or math.floor(tonumber(h[5]) / 1000) ~= sec
-    local r = {key, nil, nil, nil, nil, renew}
+    local r = {key, nil, nil, nil, nil, not ts or ts < sec_ms or ts >= sec_ms + 1000}
     if limit >= 0 then
-      local n, lo = window(key, tonumber(h[1]) or 0, tonumber(h[2]) or sec, true)
+      local lo0 = tonumber(h[2])
+      local n, lo = tonumber(h[1]) or 0, lo0 or sec
+      if lo < sec - 60 then n, lo = window(key, n, lo, true) end
       local reset = (lo + 61) * 1000 - now
       if n >= limit and req_retry == nil then req_retry = reset end
-      local rem = math.max(limit - n - 1, 0)
+      local rem = limit - n - 1
+      if rem < 0 then rem = 0 end
       if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
-      r[2], r[4] = n, tonumber(h[3]) or 0
-      if tonumber(h[2]) ~= lo then r[3] = lo end  -- written only when it moved
-      r[6] = r[4] == 0
+      local c = tonumber(h[3]) or 0
+      r[2], r[4], r[6] = n, c, c == 0
+      if lo0 ~= lo then r[3] = lo end  -- written only when it moved
     end
     if cap >= 0 then
-      local level = bucket_level(h[4], h[5], cap)
+      local level = cap
+      if h[4] and ts then
+        level = tonumber(h[4]) + (now - ts) * cap / 60000
+        if level > cap then level = cap end
+      end
       if est > cap then
         if not reject then reject = 'too_large'; retry = 0 end
       elseif est > level and not reject then
         reject = 'tokens'; retry = math.ceil((est - level) * 60000 / cap)
       end
-      local rem = math.max(math.floor(level - est), 0)
+      local left = level - est
+      if left < 0 then left = 0 end
+      local rem = math.floor(left)
       if rem_tok < 0 or rem < rem_tok then
         lim_tok, rem_tok = cap, rem
-        reset_tok = math.ceil((cap - math.max(level - est, 0)) * 60000 / cap)
+        reset_tok = math.ceil((cap - left) * 60000 / cap)
       end
       r[5] = level
     end

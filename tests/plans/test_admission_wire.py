@@ -30,8 +30,8 @@ def _whole(sha: bytes, ops: list[tuple[str, list[str], list[str | int]]]) -> byt
     argv: list[str | int] = [len(ops)]
     for kind, ks, a in ops:
         argv += [kind, len(ks), len(a), *a]
-    return hiredis.pack_command(  # type: ignore[arg-type]
-        ("EVALSHA", sha, len(keys), *keys, *argv))
+    command = ("EVALSHA", sha, len(keys), *keys, *argv)
+    return hiredis.pack_command(command)  # type: ignore[arg-type]
 
 
 def test_an_admission_and_its_settlement_are_packed_as_the_whole_command_would_be():
