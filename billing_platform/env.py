@@ -182,8 +182,9 @@ BATCH_MAX_RUNNING_FRACTION: float = env.float("TOLLGATE_BATCH_MAX_RUNNING_FRACTI
 # bound the rate (2 x 16 slots at 100 tokens/s) 0.90 of the unguarded lines/s, where the host's
 # CPU does about nothing (8 and 10 alternating rounds: 0.99, 1.15). Slices on the shared 2-core
 # host vary 2x and more: one earlier run read 0.72 (three 5 s slices of each kind), a run at
-# load average 12-14 0.77 with a 90 % interval of 0.55-1.00 (six 3 s slices). Interactive
-# latency is what the guard is for: 1.
+# load average 12-14 0.77 with a 90 % interval of 0.55-1.00 (six 3 s slices), and twelve 3 s
+# slices of each kind right after it 1.03 (0.96-1.12). Interactive latency is what the guard is
+# for: 1.
 BATCH_FREE_SLOTS: int = env.int("TOLLGATE_BATCH_FREE_SLOTS", default=1)
 BATCH_IDLE_S: float = env.float("TOLLGATE_BATCH_IDLE_S", default=2.0)
 # Above the floor, the share grows by this much of each engine's slots at a time, each step
