@@ -8,7 +8,8 @@ worst-case reservation), against the real Redis at ``REDIS_URL``. Policies are b
 1. latency: ``--latency-n`` sequential admissions; ``p50_ms``/``p99_ms`` are what one request
    waits for its decision (settlement runs after the response, so it is not added latency).
 2. throughput: ``--concurrency`` asyncio workers admit and settle for ``--seconds``;
-   ``decisions_per_s`` counts admissions (each followed by its settlement, as in production).
+   ``decisions_per_s`` counts admissions (each followed by its settlement, as in production;
+   waited for, as the gateway does, or with ``--settle-nowait`` not: ``asettle(wait=False)``).
    The admissions and settlements of one event-loop tick share script calls, as in the
    gateway. ``redis_script_us_per_decision`` is Redis's own time per admission + settlement
    (from ``INFO commandstats``), ``python_cpu_us_per_decision`` this process's CPU time per
@@ -104,7 +105,7 @@ async def run(args: argparse.Namespace) -> dict:
         ticket.headers  # noqa: B018 (built when first read, as the gateway reads them)
         if settle:
             await admission.asettle(ticket, prompt_tokens=480, cached_tokens=100,
-                                    completion_tokens=150)
+                                    completion_tokens=150, wait=not args.settle_nowait)
         return elapsed
 
     async def floor_one(i: int, *, settle: bool = False) -> float:
@@ -162,6 +163,7 @@ async def run(args: argparse.Namespace) -> dict:
         "latency_n": args.latency_n, "throughput_decisions": done,
         "concurrency": args.concurrency, "orgs": args.orgs, "rounds": args.rounds,
         "checks_per_decision": "3 rpm + 2 tpm + 1 hard budget",
+        "settle": "not waited for" if args.settle_nowait else "waited for",
         # Redis's own time in EVALSHA per decision (admission + settlement; the Redis server
         # is shared, so other clients' scripts count too): the ceiling Redis's one thread
         # puts on any number of gateway processes is 1e6 / this
@@ -200,6 +202,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--orgs", type=int, default=100)
+    p.add_argument("--settle-nowait", action="store_true",
+                   help="settle without waiting (asettle(wait=False): the settlement rides "
+                        "with the next admissions' script call)")
     p.add_argument("--rounds", type=int, default=5,
                    help="turns of floor and decisions the --seconds of each are split into")
     args = p.parse_args()

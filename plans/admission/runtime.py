@@ -167,7 +167,7 @@ class _Batcher:
         self.connection = connection
         self.source = source  # the script's Lua (bench/admission.py's floor runs a no-op)
         self.pending: list[Op] = []
-        self.futures: list[asyncio.Future[Any]] = []
+        self.futures: list[asyncio.Future[Any] | None] = []  # None: nobody waits
         self.scheduled = False
         self.flushing: set[asyncio.Task[None]] = set()
         self.sha: str | None = None
@@ -175,6 +175,16 @@ class _Batcher:
     async def call(self, op: Op) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        self._queue(loop, op, future)
+        return await future
+
+    def send(self, op: Op) -> None:
+        """Queue an operation nobody waits for: it runs in this process's next script call,
+        before every operation queued after it; an error it meets is logged."""
+        self._queue(asyncio.get_running_loop(), op, None)
+
+    def _queue(self, loop: asyncio.AbstractEventLoop, op: Op,
+               future: asyncio.Future[Any] | None) -> None:
         self.pending.append(op)
         self.futures.append(future)
         if len(self.pending) >= MAX_BATCH:
@@ -186,10 +196,9 @@ class _Batcher:
             # call() made in this one has joined the batch.
             self.scheduled = True
             self._spawn(loop, None, None)
-        return await future
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, batch: list[Op] | None,
-               futures: list[asyncio.Future[Any]] | None) -> None:
+               futures: list[asyncio.Future[Any] | None] | None) -> None:
         task = loop.create_task(self._flush(batch, futures))
         self.flushing.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self.flushing.discard)
@@ -214,7 +223,7 @@ class _Batcher:
         return results
 
     async def _flush(self, batch: list[Op] | None,
-                     futures: list[asyncio.Future[Any]] | None) -> None:
+                     futures: list[asyncio.Future[Any] | None] | None) -> None:
         if batch is None or futures is None:
             self.scheduled = False
             batch, futures = self.pending, self.futures
@@ -225,10 +234,16 @@ class _Batcher:
             results = await self._run(batch)
         except Exception as exc:
             for future in futures:
-                if not future.done():
+                if future is not None and not future.done():
                     future.set_exception(exc)
+            if None in futures:  # the reservation expires on its own; the sweep fixes spend
+                log.warning("%d settlements not waited for failed: %r", futures.count(None), exc)
             return
         for future, result in zip(futures, results, strict=True):
+            if future is None:
+                if isinstance(result, Exception):
+                    log.warning("a settlement not waited for failed: %r", result)
+                continue
             if future.done():
                 continue
             if isinstance(result, Exception):
@@ -247,14 +262,20 @@ class _SlotBatcher:
         self.source = source
         self.slots: dict[int, _Batcher] = {}
 
-    async def call(self, op: Op) -> Any:
+    def _of(self, op: Op) -> _Batcher:
         slot = key_slot(op[0].encode())
         batcher = self.slots.get(slot)
         if batcher is None:
             batcher = self.slots[slot] = _Batcher(self.connection, self.source)
             # the script is loaded on every master: a slot's first batch need not load it
             batcher.sha = next((b.sha for b in self.slots.values() if b.sha), None)
-        return await batcher.call(op)
+        return batcher
+
+    async def call(self, op: Op) -> Any:
+        return await self._of(op).call(op)
+
+    def send(self, op: Op) -> None:
+        self._of(op).send(op)
 
 
 # Operations per script call: big enough to share the round trip, small enough that two
@@ -327,14 +348,21 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
 
 
 async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int = 0,
-                  completion_tokens: int = 0) -> None:
-    """Replace the ticket's reservation with the actual tokens and cost (once)."""
+                  completion_tokens: int = 0, wait: bool = True) -> None:
+    """Replace the ticket's reservation with the actual tokens and cost (once).
+
+    With ``wait=False`` it returns at once, without a round trip of its own: the settlement
+    runs in this process's next script call (with the next admissions), before any admission
+    made after it; an error is logged, not raised (what the gateway does with one anyway)."""
     if ticket.settled:
         return
     ticket.settled = True
-    await _batcher().call(ticket.settle_op(prompt_tokens=prompt_tokens,
-                                           cached_tokens=cached_tokens,
-                                           completion_tokens=completion_tokens))
+    op = ticket.settle_op(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                          completion_tokens=completion_tokens)
+    if wait:
+        await _batcher().call(op)
+    else:
+        _batcher().send(op)
 
 
 # --- read-only state for answers that were not admitted ------------------------------------

@@ -294,3 +294,28 @@ def test_settlement_gives_back_unused_tokens_to_every_bucket():
     taken, settled = asyncio.run(run())
     assert 6000 <= taken < 6010  # 4,000 estimated tokens taken (plus a few ms of refill)
     assert settled - taken == 3000  # 1,000 used: 3,000 given back
+
+
+def test_a_settlement_not_waited_for_counts_for_the_next_admission_of_the_process():
+    async def run() -> tuple[str, str]:
+        policy = _policy(rpm=100)
+        policy = dataclasses.replace(policy, tpm=((f"o{policy.org_id}", 10_000),))
+        try:
+            first = await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
+                                           tier="default", zone="global", prompt_tokens=1000,
+                                           max_output=3000)
+            # when it is settled without waiting (1,000 of its 4,000 tokens used)
+            await admission.asettle(first, prompt_tokens=900, completion_tokens=100,
+                                    wait=False)
+            second = await admission.aadmit(policy, request_id=f"req_{uuid.uuid4().hex}",
+                                            tier="default", zone="global", prompt_tokens=1000,
+                                            max_output=3000)
+            return (first.headers["x-ratelimit-remaining-tokens"],
+                    second.headers["x-ratelimit-remaining-tokens"])
+        finally:
+            await _cleanup(policy)
+
+    first, second = asyncio.run(run())
+    # then the next admission saw the 3,000 given back: 10,000 - 1,000 - 4,000 left
+    assert 6000 <= int(first) < 6010
+    assert 5000 <= int(second) < 5010
