@@ -392,7 +392,7 @@ class FakeHost:
 
 
 def test_host_cpu_counts_what_others_kept_busy(tmp_path):
-    from billing_platform.gateway.batch.runner import HostCpu
+    from billing_platform.gateway.batch.guard import HostCpu
 
     stat = tmp_path / "stat"
     hz = os.sysconf("SC_CLK_TCK")

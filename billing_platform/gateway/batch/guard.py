@@ -33,7 +33,9 @@ per worker process and outlives a slice: the next slice of a batch starts where 
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -189,6 +191,64 @@ def batch_share(loads: Iterable[EngineLoad | None], *, fraction: float, floor: f
         offer += max(least, min(int(slots * fraction), slots - free_slots))
         running += load.running
     return max(0, offer - max(0, running - ours))
+
+
+class HostCpu:
+    """How busy this machine's CPUs were between two readings, this process's own use left out.
+
+    Where gateway, engines and batch worker share a machine, every CPU-second a batch line
+    costs (in the engine, PostgreSQL, this worker) is taken from interactive requests once
+    the cores are busy, whatever the engines' slots say; SCHED_IDLE only orders this worker
+    itself. Reads /proc/stat (Linux): elsewhere, and on a first reading, ``busy`` is None.
+    """
+
+    MIN_WINDOW_S = 0.1  # a shorter window is a few clock ticks: it says nothing
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+
+    def _read(self) -> tuple[float, int, int, float] | None:
+        try:
+            with open(self.path, "rb") as f:
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+        return time.monotonic(), sum(ticks), ticks[3] + ticks[4], own.user + own.system
+
+    async def abusy(self) -> float | None:
+        """Return ``busy()`` once the window is long enough to say something (a slice's
+        first probe waits out the rest of MIN_WINDOW_S rather than start lines blind).
+
+        None only where there is nothing to read. A timer may fire a little early (uvloop
+        counts in whole milliseconds), and a window a hair short of MIN_WINDOW_S said None,
+        which the runner took as "no reading": it started lines on a host whose every core
+        was busy. The window is waited out until it says something."""
+        for _ in range(100):  # ~0.2 s at most past the window: /proc/stat ticks every 10 ms
+            if self.last is None:
+                break
+            await asyncio.sleep(max(0.0, self.last[0] + self.MIN_WINDOW_S - time.monotonic())
+                                + 0.002)
+            if (busy := self.busy()) is not None:
+                return busy
+        return self.busy()
+
+    def busy(self) -> float | None:
+        """Return the share of all CPUs others kept busy since the last answer (0..1), or
+        None: no /proc/stat, or a window too short to say (it then goes on)."""
+        now, last = self._read(), self.last
+        if now is None or last is None:
+            self.last = now
+            return None
+        if now[0] - last[0] < self.MIN_WINDOW_S or now[1] <= last[1]:
+            return None  # the window goes on
+        self.last = now
+        cpu_s = (now[1] - last[1]) / self.hz
+        others = ((now[1] - last[1]) - (now[2] - last[2])) / self.hz - (now[3] - last[3])
+        return min(1.0, max(0.0, others / cpu_s))
 
 
 _scavengers: dict[str, Scavenger] = {}
