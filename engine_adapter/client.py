@@ -295,6 +295,16 @@ class EngineCall:
             self._observe(chunk)
             yield chunk
 
+    @property
+    def chunk_ready(self) -> bool:
+        """Whether the engine's next chunk has arrived already: ``chunks()`` yields it without
+        waiting, so a relay may send what it holds together with it. Not its end (``[DONE]``):
+        what follows the last chunk (metering, a stored response) must not hold it."""
+        response = self._response
+        return response is not None and any(
+            line.startswith("data:") and line[5:].strip() != "[DONE]"
+            for line in response.ready_lines)
+
     def _observe(self, chunk: dict[str, Any]) -> None:
         self._take_usage(chunk.get("usage"))
         for choice in chunk.get("choices") or ():

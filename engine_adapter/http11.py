@@ -23,7 +23,8 @@ import asyncio
 import codecs
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
 import httptools
@@ -116,6 +117,7 @@ class Response:
         self._conn: _Connection | None = conn
         self._slots = slots
         self._complete = False
+        self._ready: deque[str] = deque()  # lines read, not yet yielded (aiter_lines)
 
     async def _next_data(self, idle_timeout: float | None = None) -> bytes | None:
         """Return the body's bytes that have arrived (waiting for some, at most
@@ -149,18 +151,30 @@ class Response:
     async def aiter_lines(self, *, idle_timeout: float | None = None) -> AsyncIterator[str]:
         """Yield the body's lines, without their line endings (UTF-8). With ``idle_timeout``,
         raise TimeoutError when the engine sends nothing for that long (the lines of what
-        has arrived are yielded without a timer: one per read from the socket, not per line)."""
+        has arrived are yielded without a timer: one per read from the socket, not per line).
+        ``ready_lines`` are the lines that arrived and are still to be yielded."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = ""
-        while (data := await self._next_data(idle_timeout)) is not None:
+        ready = self._ready
+        while True:
+            while ready:
+                yield ready.popleft()
+            data = await self._next_data(idle_timeout)
+            if data is None:
+                break
             pending += decoder.decode(data)
             if "\n" in pending:
                 *lines, pending = pending.split("\n")
-                for line in lines:
-                    yield line.removesuffix("\r")
+                ready.extend(line.removesuffix("\r") for line in lines)
         pending += decoder.decode(b"", final=True)
         if pending:
             yield pending.removesuffix("\r")
+
+    @property
+    def ready_lines(self) -> Sequence[str]:
+        """The whole lines ``aiter_lines`` read and has not yielded yet: they come without
+        waiting for the engine."""
+        return self._ready
 
     async def aclose(self) -> None:
         """Release the connection: back to the pool if the body was read to its end, else
