@@ -216,12 +216,9 @@ def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: 
     import tempfile
 
     os.environ["TOLLGATE_USAGE_STREAM"] = f"bench:usage:{run}"
-    from django.core.signals import setting_changed
-
     from metering import conf
 
-    # metering.conf reads knobs once until a setting changes: read this phase's stream name
-    setting_changed.send(sender=None, setting="METERING_STREAM_KEY", value=None, enter=True)
+    conf.reread()  # metering.conf reads knobs once: this phase's stream name
 
     shards = conf.stream_keys()
     per_shard = [0] * len(shards)
@@ -495,7 +492,7 @@ def main() -> None:
         args.batch_size = args.batch_size or None
         consume(args)
         return
-    if args.consumers > 1:  # read by metering.conf at call time, in every process
+    if args.consumers > 1:  # every process reads it (this one again at each phase)
         os.environ["TOLLGATE_USAGE_STREAM_SHARDS"] = str(args.consumers)
     print(json.dumps(bench(args)))
 

@@ -44,9 +44,15 @@ def _setting(name: str, env_name: str, default: Any, cast: type = str) -> Any:
 _values: dict[tuple[Any, ...], Any] = {}
 
 
+def reread() -> None:
+    """Forget the knobs read, so the next reads see the settings and environment as they are
+    now (a process that changes its own environment, as bench/ingest.py does per phase)."""
+    _values.clear()
+
+
 @receiver(setting_changed)
 def _forget(**_kwargs: Any) -> None:
-    _values.clear()
+    reread()
 
 
 def stream_key() -> str:
