@@ -8,7 +8,6 @@ compact JSON object, so the consumer parses one value per entry instead of dozen
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import secrets
 import time
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeAlias
+
+import orjson
 
 from billing_platform.errors import InvalidRequest
 from metering.choices import CapacitySource, EventSource, EventStatus, ServiceTier
@@ -301,7 +302,7 @@ def row_wire(row: Row) -> bytes:
     if not isinstance(values[I_TIME], str):
         values[I_TIME] = values[I_TIME].astimezone(UTC).isoformat()
     values[I_COST] = str(values[I_COST])
-    return json.dumps([WIRE_VERSION, *values], separators=(",", ":")).encode()
+    return orjson.dumps([WIRE_VERSION, *values])
 
 
 def encode(event: UsageEventData) -> bytes:
@@ -317,8 +318,8 @@ def decode_row(raw: bytes | str) -> Row:
     Raise ``InvalidRequest`` when the bytes are not a version-1 event.
     """
     try:
-        values = json.loads(raw)
-    except ValueError as exc:
+        values = orjson.loads(raw)  # the consumer's hot path: a third of json.loads' time
+    except ValueError as exc:  # orjson.JSONDecodeError is one
         raise InvalidRequest(f"Unreadable usage event: {exc}") from None
     pad_entry(values)
     if type(values) is not list or len(values) != ROW_LEN + 1 or values[0] != WIRE_VERSION:
