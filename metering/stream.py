@@ -36,14 +36,13 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast, overload
+from typing import Any, cast
 
 import redis
-import redis.asyncio as aredis
 from django.core.exceptions import ImproperlyConfigured
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.commands.core import AsyncScript, Script
+from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
@@ -188,15 +187,10 @@ class Breaker:
 breaker = Breaker()
 
 
-_scripts: weakref.WeakKeyDictionary[redis.Redis | aredis.Redis, Script | AsyncScript] = (
-    weakref.WeakKeyDictionary())
+_scripts: weakref.WeakKeyDictionary[redis.Redis, Script] = weakref.WeakKeyDictionary()
 
 
-@overload
-def _script(r: redis.Redis) -> Script: ...
-@overload
-def _script(r: aredis.Redis) -> AsyncScript: ...
-def _script(r: redis.Redis | aredis.Redis) -> Script | AsyncScript:
+def _script(r: redis.Redis) -> Script:
     """Return the append script bound to ``r`` (its SHA computed once per client)."""
     script = _scripts.get(r)
     if script is None:
