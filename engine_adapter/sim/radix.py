@@ -7,6 +7,14 @@ pass against behaviour no engine has, so the simulator keeps the same structure 
 one radix tree of token ids per namespace, nodes split on partial matches, nodes locked while a
 request uses them, and least-recently-used unlocked leaves evicted when capacity runs out.
 Capacity is shared by every namespace, as KV memory is on a GPU.
+
+Eviction picks leaves from a heap kept as the tree changes (a leaf made, touched, unlocked or
+left bare by its last child pushes an entry; stale ones are skipped when popped), not from a
+walk of the whole tree per call: with the cache full every admitted request evicts, and the
+walk grew with the tree (tens of thousands of nodes after a batch's unique prompts) until it
+was a third of a simulated engine's CPU and stalled its event loop for milliseconds at a time,
+a cost the simulated engine's time model knows nothing of (bench/batch_interference.py's
+interactive p99 tripled with batch lines beside it). Which leaves go is the same LRU order.
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ class RadixCache:
         self.tree_tokens = 0
         self.locked_tokens = 0
         self.evicted_tokens = 0
+        self.nodes = 0  # non-root nodes in the tree
+        # (last_access, tie, node) for every unlocked leaf, plus stale entries skipped on pop
+        self._leaves: list[tuple[int, int, Node]] = []
+        self._tie = itertools.count()
 
     @property
     def evictable_tokens(self) -> int:
@@ -66,6 +78,7 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
         )
+        self.nodes += 1
         node.parent.children[head.key[0]] = head
         node.key = node.key[at:]
         node.parent = head
@@ -91,6 +104,7 @@ class RadixCache:
             child.last_access = now
             node = child
             i += common
+        self._candidate(node)
         return i, node
 
     def insert(self, namespace: Namespace, ids: Sequence[int]) -> tuple[Node, int]:
@@ -101,6 +115,8 @@ class RadixCache:
             leaf = Node(key=list(ids[matched:]), parent=node, last_access=node.last_access)
             node.children[leaf.key[0]] = leaf
             self.tree_tokens += added
+            self.nodes += 1
+            self._candidate(leaf)
             node = leaf
         return node, added
 
@@ -121,33 +137,48 @@ class RadixCache:
             if current.lock_ref == 0:
                 self.locked_tokens -= len(current.key)
             current = current.parent
+        self._candidate(node)
+
+    def _candidate(self, node: Node) -> None:
+        """Push ``node`` as an eviction candidate if it is an unlocked leaf (now, at its
+        current access time); rebuild the heap when stale entries outnumber the tree."""
+        if node.parent is None or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._leaves, (node.last_access, next(self._tie), node))
+        if len(self._leaves) > 2 * self.nodes + 1024:
+            live: list[Node] = []
+            stack = list(self._roots.values())
+            while stack:
+                current = stack.pop()
+                stack.extend(current.children.values())
+                if current.parent is not None and not current.children and not current.lock_ref:
+                    live.append(current)
+            self._leaves = [(n.last_access, next(self._tie), n) for n in live]
+            heapq.heapify(self._leaves)
 
     def evict(self, num_tokens: int) -> int:
         """Evict least recently used unlocked leaves until ``num_tokens`` are freed."""
-        heap: list[tuple[int, int, Node]] = []
-        tie = itertools.count()
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node.parent is not None and not node.children and node.lock_ref == 0:
-                heap.append((node.last_access, next(tie), node))
-        heapq.heapify(heap)
+        heap = self._leaves
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            access, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None  # noqa: S101 - leaves always have a parent
+            if (parent is None or leaf.children or leaf.lock_ref
+                    or access != leaf.last_access):
+                continue  # stale: evicted, no longer a leaf, locked, or touched since
             del parent.children[leaf.key[0]]
+            leaf.parent = None  # detached: its other entries are stale
             freed += len(leaf.key)
             self.tree_tokens -= len(leaf.key)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(tie), parent))
+            self.nodes -= 1
+            self._candidate(parent)
         self.evicted_tokens += freed
         return freed
 
     def reset(self) -> None:
         """Drop every unlocked entry (what ``/flush_cache`` does when the engine is idle)."""
         self._roots.clear()
+        self._leaves.clear()
         self.tree_tokens = 0
         self.locked_tokens = 0
+        self.nodes = 0
