@@ -176,13 +176,35 @@ def get_aredis() -> aioredis.Redis:
 
 
 class _Replies(asyncio.Protocol):
-    """Reads RESP replies with hiredis and hands each to the oldest waiting command."""
+    """Reads RESP replies with hiredis and hands each to the oldest waiting command; writes
+    the commands of one event-loop turn together.
+
+    A write to Redis on the same host is a system call that wakes Redis: py-spy put 38 % of a
+    gateway's busy time at concurrency 1 in them (eight a request: the key and throttle reads,
+    the in-flight slot, admission, the usage append, settlement, the slot's release). The
+    commands a turn of the loop issues (the two reads of a key check, the append and the
+    settlement, and at load other requests' commands) now go out in one write, sent by a
+    callback at the end of the turn; their order, and so the order of the replies, is the
+    order they were issued in.
+    """
 
     def __init__(self) -> None:
         self.reader = hiredis.Reader(encoding="utf-8", replyError=redis.exceptions.ResponseError)
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
+        self.pending: list[bytes] = []  # issued this turn, written by flush
+
+    def write(self, command: bytes) -> None:
+        """Queue ``command`` for this turn's write (the first one schedules it)."""
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.pending.append(command)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if self.transport is not None and self.lost is None and pending:
+            self.transport.write(b"".join(pending) if len(pending) > 1 else pending[0])
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -263,7 +285,7 @@ class PipelinedConnection:
         protocol.waiters.append(waiter)
         if protocol.transport is None:  # connection_made set it before _connect returned
             raise redis.exceptions.ConnectionError("Redis connection not made")
-        protocol.transport.write(command)
+        protocol.write(command)
         try:
             async with asyncio.timeout(self.timeout):
                 return await waiter
