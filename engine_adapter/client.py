@@ -233,8 +233,11 @@ class EngineCall:
         raise EngineError(f"the engine failed before answering: {last_error}")
 
     async def _send(self, engine: EngineInfo) -> http11.Response:
-        body = json.dumps(self.request_body, ensure_ascii=False, separators=(",", ":"),
-                          allow_nan=False).encode()
+        try:  # orjson: the same compact UTF-8 text, at a fraction of json's CPU
+            body = orjson.dumps(self.request_body)
+        except orjson.JSONEncodeError:  # an integer past 64 bits, which json writes
+            body = json.dumps(self.request_body, ensure_ascii=False, separators=(",", ":"),
+                              allow_nan=False).encode()
         try:
             async with asyncio.timeout(self.client.first_byte_timeout):
                 return await self.client._http.post(engine.url + self.path, body)
