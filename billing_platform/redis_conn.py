@@ -9,6 +9,11 @@ slot. The Celery broker and Django's cache stay on ``REDIS_URL``:
 kombu's Redis transport does not speak Cluster (its queues are lists and a set of bindings
 under fixed names, MULTI/EXEC across them), and the broker's load is small beside the request
 path's.
+
+Length: every Redis client a process holds is made here (sync, asyncio, the request path's
+pipelined connection, each for one server or a cluster), because ``reset_clients`` must forget
+all of them and the cluster clients share ``cluster_seeds``; split, the halves would import
+each other. The pipelined connection (``_Replies`` to ``get_pipelined``) is the larger half.
 """
 
 from __future__ import annotations
