@@ -112,8 +112,8 @@ async def latency(targets: dict[str, tuple[str, dict]], *, stream: bool,
 
 
 async def throughput(url: str, headers: dict, *, concurrency: int,
-                     seconds: float) -> tuple[float, int]:
-    """Saturate ``url`` for ``seconds``; return requests/s and the number of requests done.
+                     seconds: float) -> tuple[int, float]:
+    """Saturate ``url`` for ``seconds``; return the requests done and the seconds they took.
 
     Each worker has a client (so a connection) of its own. On one shared pool httpx scans
     every connection of the pool for each request, with a getpeername and a poll per idle
@@ -144,7 +144,7 @@ async def throughput(url: str, headers: dict, *, concurrency: int,
         t0 = time.perf_counter()
         deadline = t0 + seconds
         await asyncio.gather(*(worker(w, http) for w, http in enumerate(clients)))
-        return done / (time.perf_counter() - t0), done
+        return done, time.perf_counter() - t0
     finally:
         for http in clients:
             await http.aclose()
@@ -292,10 +292,10 @@ def main() -> None:
                 # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
                 with paused(litellm if name != "litellm" else None):
                     cpu0 = {k: cpu_seconds(v) for k, v in procs.items() if v}
-                    client0, t0 = time.process_time(), time.perf_counter()
-                    _rps, n = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
+                    client0 = time.process_time()
+                    n, took = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
                                                      seconds=args.seconds / args.rounds))
-                    elapsed[name] += time.perf_counter() - t0
+                    elapsed[name] += took
                     done[name] += n
                     for k, v in procs.items():
                         if v and (k == "engine" or k == name):
