@@ -9,6 +9,7 @@ Django's request objects, URL map and views. Everything else (/api, /console, /a
 /metrics) goes through Django's full stack.
 """
 
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -25,3 +26,16 @@ async def application(scope, receive, send):
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
         return await gateway_application(scope, receive, send)
     return await django_application(scope, receive, send)
+
+# The cyclic garbage collector, tuned for a process that serves requests. Start-up leaves about
+# 110,000 tracked objects (Django, the URL map, models, settings) that live as long as the
+# process; frozen, no collection scans them again (a full pass over them took ~19 ms). A
+# request allocates thousands of short-lived containers that reference counting frees; the
+# default young threshold (700) ran a collection every few requests over whatever requests were
+# in flight. perf put the collector at ~9 % of a saturated gateway's CPU; frozen with the
+# threshold at 20,000, a gateway's CPU per request fell 0.607 -> 0.530 ms (two gateways on one
+# simulated engine, alternating slices). Cycles (exceptions with their tracebacks) are still
+# collected, a little later.
+gc.collect()
+gc.freeze()
+gc.set_threshold(20_000, 10, 10)
