@@ -31,7 +31,7 @@ from engine_adapter.client import EngineClient
 from engine_adapter.load_share import LoadShare
 from engine_adapter.metrics import FLEET_VIEW_REFRESH_FAILURES, FLEET_VIEW_REFRESHED
 from engine_adapter.router import Router
-from engine_adapter.selectors import fleet_snapshot, zone_regions
+from engine_adapter.selectors import fleet_snapshot
 
 REFRESH_S = conf.fleet_refresh_s()
 REFRESH_AHEAD = 0.5  # fraction of REFRESH_S after which a background refresh starts
@@ -55,7 +55,7 @@ class Fleet:
     def refresh(self) -> None:
         started = time.monotonic()  # the view is as old as the read's start
         snap = fleet_snapshot()
-        self.zones = zone_regions()
+        self.zones = snap.zones
         self.router.set_engines(snap.engines, healthy=snap.healthy, offered=snap.offered,
                                 traits=snap.traits)
         for engine_id, load in snap.loads.items():
