@@ -39,6 +39,15 @@ def _clean_redis() -> Iterator[None]:
     return
 
 
+@pytest.fixture(autouse=True)
+def _forget_shared_policy_reads() -> None:
+    """Price books read for admission are shared for a TTL within a process; a test's
+    database is not the last test's (ids are reused after a flush)."""
+    from plans.admission.loading import forget_shared
+
+    forget_shared()
+
+
 @pytest.fixture
 def api_client() -> APIClient:
     return APIClient()

@@ -9,10 +9,14 @@ uses admission's key names and scripts, and admission imports nothing of quotas.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Any, TypeVar, cast
 
+from django.conf import settings
 from django.db.models import Q, Sum
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
@@ -43,6 +47,8 @@ from plans.models import (
 from plans.periods import month_bounds, period_bounds
 from plans.pricing import ModelPricing, PriceIndex
 from plans.selectors import active_reservations, subscription_at, token_plan_status
+
+T = TypeVar("T")
 
 
 def limits_of(*, organization_id: int, project_id: int, key_id: int
@@ -78,8 +84,14 @@ def limits_of(*, organization_id: int, project_id: int, key_id: int
 def _pricing_for(org: Organization, sub: Subscription | None, model: str, at: datetime
                  ) -> ModelPricing | None:
     book_id = sub.plan.price_book_id if sub is not None and sub.plan.price_book_id else None
+    currency = sub.plan.currency if sub is not None else org.currency
+    return _shared(("book", book_id, currency, model), lambda: _book_pricing(
+        book_id, currency, model, at))
+
+
+def _book_pricing(book_id: int | None, currency: str, model: str, at: datetime
+                  ) -> ModelPricing | None:
     if book_id is None:
-        currency = sub.plan.currency if sub is not None else org.currency
         book_id = (PriceBook.objects.filter(is_default=True, currency=currency)
                    .values_list("id", flat=True).first())
     if book_id is None:
@@ -87,6 +99,33 @@ def _pricing_for(org: Organization, sub: Subscription | None, model: str, at: da
     times, pricings = PriceIndex({book_id}, {model}, at, at).series(book_id, model)
     candidates = [p for t, p in zip(times, pricings, strict=True) if t <= at]
     return candidates[-1] if candidates else None
+
+
+# What every key's policy reads alike (a price book's pricing of a model: six of the twelve
+# queries of a policy, about half its CPU), read once per QUOTA_POLICY_TTL_S for all the keys
+# of this process, not once per key and model. Loads run in executor threads; a race reads
+# twice and keeps the later. Bounded: cleared when it grows past _SHARED_MAX entries.
+_shared_values: dict[Hashable, tuple[float, Any]] = {}
+_SHARED_MAX = 10_000
+
+
+def _shared(key: Hashable, load: Callable[[], T]) -> T:
+    """Return ``load()``'s value, read at most QUOTA_POLICY_TTL_S ago (as stale as a cached
+    policy may be: the pricing in effect when it was read)."""
+    now = time.monotonic()
+    hit = _shared_values.get(key)
+    if hit is not None and now - hit[0] < settings.QUOTA_POLICY_TTL_S:
+        return cast(T, hit[1])
+    value = load()
+    if len(_shared_values) >= _SHARED_MAX:
+        _shared_values.clear()
+    _shared_values[key] = (now, value)
+    return value
+
+
+def forget_shared() -> None:
+    """Drop what ``_shared`` holds (a test's database is not the last test's)."""
+    _shared_values.clear()
 
 
 def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
