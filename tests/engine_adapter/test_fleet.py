@@ -20,6 +20,7 @@ from engine_adapter.models import EngineInstance
 from engine_adapter.registry import Fleet
 from engine_adapter.selectors import fleet_snapshot, zone_regions
 from engine_adapter.sim.testing import FAST_RATES
+from engine_adapter.types import EngineLoad
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -86,7 +87,10 @@ def test_fleet_up_status_restart_after_crash_and_down(spec_file):
     # the health check records load scraped from /metrics, which the router sees
     snap = fleet_snapshot()
     assert {"small-us-0", "small-us-1", "small-eu-0"} <= snap.healthy
-    assert "running" in EngineInstance.objects.get(engine_id="small-us-0").load
+    scraped = EngineInstance.objects.get(engine_id="small-us-0").load
+    assert "running" in scraped
+    assert snap.loads["small-us-0"] == EngineLoad.from_metrics(scraped)
+    assert snap.zones == zone_regions() == {"us": {"us-east"}, "eu": {"eu-west"}}
 
     # down stops every engine we launched
     call_command("fleet", "down", stdout=StringIO())
