@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import re
@@ -157,10 +156,6 @@ async def _aread(prefix: str) -> tuple[dict[str, Any] | None, str | None] | None
         return None
 
 
-async def _nothing() -> None:
-    return None
-
-
 async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
                                 ) -> KeyPrincipal | None:
     """Async ``api_key_authenticate`` for the gateway (same cache, same rules).
@@ -168,32 +163,35 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
     With ``client_address``, a failure is counted against that address, and once it is
     throttled (``auth_throttle``) only a key that verifies from the cache gets through:
     anything that would take a database lookup, or fails, raises ``RateLimited`` instead.
-    The throttle is read beside the cache entry, in the same round trip.
+    So a key that verifies from the cache (nearly every request) costs one Redis read and
+    nothing else; the throttle is read only on the way to a lookup or a failure. (Reading it
+    beside the cache entry, in the same round trip, cost every request a second command and
+    the two tasks that awaited them: ~25 us of CPU of the ~65 us the two took.)
     """
     match = KEY_RE.match(raw.strip())
     prefix, secret = (match["prefix"], match["secret"]) if match else ("", "")
-    read, retry_after = await asyncio.gather(
-        _aread(prefix) if match else _nothing(),
-        auth_throttle.aretry_after(client_address) if client_address else _nothing())
-    verified = None
-    if match:
-        if read is not None and read[0] is not None:
-            verified = _verify(_from_cache(read[0]), secret)
-        elif retry_after is None:  # a throttled address never costs a query
+    read = await _aread(prefix) if match else None
+    entry = read[0] if read is not None else None
+    cached = entry is not None
+    verified = _verify(_from_cache(entry), secret) if entry is not None else None
+    if verified is None:
+        retry_after = (await auth_throttle.aretry_after(client_address) if client_address
+                       else None)
+        if match and not cached and retry_after is None:  # a throttled address costs no query
             principal = await sync_to_async(_load_principal, thread_sensitive=False)(prefix)
             if read is not None:
                 with contextlib.suppress(redis.RedisError):
                     await keycache.afill(prefix, _entry(principal), marker=read[1])
             verified = _verify(principal, secret)
-    if verified is not None:
-        # Advisory and off the request's path: batched with other uses, written within a second.
-        keycache.atouch_soon(verified.key_id, time.time())
-        return verified
-    if retry_after is not None:
-        raise auth_throttle.throttled(retry_after)
-    if client_address:
-        await auth_throttle.afailed(client_address)
-    return None
+        if verified is None:
+            if retry_after is not None:
+                raise auth_throttle.throttled(retry_after)
+            if client_address:
+                await auth_throttle.afailed(client_address)
+            return None
+    # Advisory and off the request's path: batched with other uses, written within a second.
+    keycache.atouch_soon(verified.key_id, time.time())
+    return verified
 
 
 def organizations_for_user(*, user: User) -> QuerySet[Organization]:
