@@ -103,15 +103,19 @@ def _book_pricing(book_id: int | None, currency: str, model: str, at: datetime
 
 # What every key's policy reads alike (a price book's pricing of a model: six of the twelve
 # queries of a policy, about half its CPU), read once per QUOTA_POLICY_TTL_S for all the keys
-# of this process, not once per key and model. Loads run in executor threads; a race reads
-# twice and keeps the later. Bounded: cleared when it grows past _SHARED_MAX entries.
+# of this process, not once per key and model. A policy cached for up to the TTL may so hold
+# pricing read up to a TTL before it: a price version in force from now reaches admission
+# within two TTLs (4 s by default) instead of one. Admission prices only the worst case it
+# reserves against hard budgets and plan credits; what is charged is rated at ingest from the
+# ledger's own read. Loads run in executor threads; a race reads twice and keeps the later.
+# Bounded: cleared when it grows past _SHARED_MAX entries.
 _shared_values: dict[Hashable, tuple[float, Any]] = {}
 _SHARED_MAX = 10_000
 
 
 def _shared(key: Hashable, load: Callable[[], T]) -> T:
-    """Return ``load()``'s value, read at most QUOTA_POLICY_TTL_S ago (as stale as a cached
-    policy may be: the pricing in effect when it was read)."""
+    """Return ``load()``'s value, read at most QUOTA_POLICY_TTL_S ago (the pricing in effect
+    when it was read)."""
     now = time.monotonic()
     hit = _shared_values.get(key)
     if hit is not None and now - hit[0] < settings.QUOTA_POLICY_TTL_S:
