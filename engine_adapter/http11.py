@@ -118,6 +118,9 @@ class Response:
         self._slots = slots
         self._complete = False
         self._ready: deque[str] = deque()  # lines read, not yet yielded (aiter_lines)
+        # The idle watch (``_watch_idle``): when the read now waiting began, and its timer
+        self._waiting_since: float | None = None
+        self._watch: asyncio.TimerHandle | None = None
 
     async def _next_data(self, idle_timeout: float | None = None) -> bytes | None:
         """Return the body's bytes that have arrived (waiting for some, at most
@@ -130,8 +133,11 @@ class Response:
                 if idle_timeout is None:
                     await conn.receive()
                 else:
-                    async with asyncio.timeout(idle_timeout):
+                    self._watch_idle(conn, idle_timeout)
+                    try:
                         await conn.receive()
+                    finally:
+                        self._waiting_since = None
         except TimeoutError:
             raise  # the engine was idle too long (an OSError too: not a transport failure)
         except (OSError, _ProtocolError) as exc:
@@ -140,7 +146,41 @@ class Response:
             parts, conn.body = conn.body, []
             return parts[0] if len(parts) == 1 else b"".join(parts)
         self._complete = True
+        self._unwatch()
         return None
+
+    def _watch_idle(self, conn: _Connection, idle_timeout: float) -> None:
+        """Mark a read as waiting, due within ``idle_timeout``.
+
+        One timer per response, moved on only when it fires, where an ``asyncio.timeout``
+        per read made and cancelled a timer for every read of a stream (one per token, ~3 %
+        of a gateway's CPU). When it fires and the same read still waits past its time, the
+        read fails with ``TimeoutError`` (set on the connection's reader, which the read then
+        raises; the connection is not reused). A read that has not begun is never timed:
+        the consumer's time between reads is not the engine's."""
+        loop = asyncio.get_running_loop()
+        since = self._waiting_since = loop.time()
+        if self._watch is None:
+            self._watch = loop.call_at(since + idle_timeout, self._check_idle, conn,
+                                       idle_timeout)
+
+    def _check_idle(self, conn: _Connection, idle_timeout: float) -> None:
+        since = self._waiting_since
+        if since is None:  # no read waits: the next one arms a timer again
+            self._watch = None
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - since >= idle_timeout:
+            self._watch = None
+            conn.reader.set_exception(TimeoutError(
+                f"the engine sent nothing for {idle_timeout:g} s"))
+            return
+        self._watch = loop.call_at(since + idle_timeout, self._check_idle, conn, idle_timeout)
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     async def aread(self) -> bytes:
         parts = []
@@ -179,6 +219,7 @@ class Response:
     async def aclose(self) -> None:
         """Release the connection: back to the pool if the body was read to its end, else
         closed (which aborts the request at the engine)."""
+        self._unwatch()
         conn, self._conn = self._conn, None
         if conn is not None:
             self._pool._release(conn, self._slots, reuse=self._complete)

@@ -171,3 +171,36 @@ def test_lines_of_a_stream_come_as_they_arrive_and_a_stall_times_out():
     got, idle = asyncio.run(scenario())
     assert got == ['data: {"n": 1}', ""]
     assert idle == 0  # a stream cut off is closed, never reused
+
+
+def test_the_idle_timeout_times_each_wait_for_the_engine_not_the_stream_or_the_consumer():
+    async def scenario():
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(7)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for n in range(6):  # a line every 0.15 s: the stream lasts 0.9 s
+                await asyncio.sleep(0.15)
+                line = f"data: {n}\n".encode()
+                writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = _pool()
+        got: list[str] = []
+        try:
+            response = await pool.post(url + "/v1/chat/completions", b'{"a":1}')
+            async for line in response.aiter_lines(idle_timeout=0.3):
+                got.append(line)
+                if line == "data: 2":
+                    await asyncio.sleep(0.5)  # the consumer is slow once: not the engine's time
+            await response.aclose()
+        finally:
+            await pool.aclose()
+            server.close()
+        return got
+
+    assert asyncio.run(scenario()) == [f"data: {n}" for n in range(6)]
