@@ -153,11 +153,12 @@ class Response:
         """Mark a read as waiting, due within ``idle_timeout``.
 
         One timer per response, moved on only when it fires, where an ``asyncio.timeout``
-        per read made and cancelled a timer for every read of a stream (one per token, ~3 %
-        of a gateway's CPU). When it fires and the same read still waits past its time, the
-        read fails with ``TimeoutError`` (set on the connection's reader, which the read then
-        raises; the connection is not reused). A read that has not begun is never timed:
-        the consumer's time between reads is not the engine's."""
+        per read made and cancelled a timer for every read of a stream (one per token; the
+        gateway's CPU per request fell ~1.5 % without them). When it fires and the same
+        read still waits past its time, the read fails with ``TimeoutError`` (set on the
+        connection's reader, which the read then raises; the connection is not reused). A
+        read that has not begun is never timed: the consumer's time between reads is not the
+        engine's."""
         loop = asyncio.get_running_loop()
         since = self._waiting_since = loop.time()
         if self._watch is None:
