@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connection
 
@@ -35,10 +35,19 @@ class FleetSnapshot:
     zones: dict[str, set[str]]  # data zone -> regions of its pools in the spec
 
 
-# What the fleet view reads of a pool, in this order (``_PoolRow``'s positions).
-_POOL_FIELDS = ("id", "name", "model", "region", "zone", "gpu_hourly_cost", "gpus_per_replica",
-                "max_total_tokens", "extra_args", "vocab_size")
-_PoolRow = tuple[Any, ...]
+class _PoolRow(NamedTuple):
+    """What the fleet view reads of a pool (``values_list`` of these fields, in this order)."""
+
+    id: int
+    name: str
+    model: str
+    region: str
+    zone: str
+    gpu_hourly_cost: Decimal
+    gpus_per_replica: int
+    max_total_tokens: int | None
+    extra_args: list[str]
+    vocab_size: int | None
 
 
 def fleet_snapshot() -> FleetSnapshot:
@@ -50,29 +59,32 @@ def fleet_snapshot() -> FleetSnapshot:
     and a request on the event loop that meets the read waits about as long as the read's CPU
     (bench/gateway.py's concurrency-1 requests that overlapped one: ~1 ms later). So the two
     queries are the ORM's SQL, compiled once (``_fleet_sql``), run on a plain cursor and read
-    as rows: ~0.15 ms of CPU a read here, where four ORM queries building model instances took
+    as rows: ~0.20 ms of CPU a read here, where four ORM queries building model instances took
     ~1.5 ms and two ORM queries of rows ~0.9 ms."""
     pools_sql, engines_sql = _fleet_sql()
-    pools = [(*row[:8], _json(row[8]), row[9]) for row in _rows(pools_sql)]
-    by_id = {row[0]: row for row in pools}
+    pools = [_PoolRow._make(row)._replace(extra_args=_json(row[8]))
+             for row in _rows(pools_sql)]
+    by_id = {pool.id: pool for pool in pools}
     engines, healthy, loads = [], set(), {}
     for pool_id, engine_id, url, status, load in _rows(engines_sql):
         pool = by_id.get(pool_id)
         if pool is None:  # its pool left the spec between the two reads
             continue
         engines.append(EngineInfo(
-            engine_id=engine_id, pool=pool[1], model=pool[2], region=pool[3], url=url,
-            gpu_hourly_cost=pool[5], gpus=pool[6], max_total_tokens=pool[7]))
+            engine_id=engine_id, pool=pool.name, model=pool.model, region=pool.region, url=url,
+            gpu_hourly_cost=pool.gpu_hourly_cost, gpus=pool.gpus_per_replica,
+            max_total_tokens=pool.max_total_tokens))
         if status == EngineStatus.HEALTHY:
             healthy.add(engine_id)
         loads[engine_id] = EngineLoad.from_metrics(_json(load) or {})
-    return FleetSnapshot(engines, healthy, loads, _offered(pools), _traits(pools), _zones(pools))
+    return FleetSnapshot(engines, healthy, loads, _offered(pools), _traits(pools),
+                         _zones((pool.zone, pool.region) for pool in pools))
 
 
 @functools.cache
 def _fleet_sql() -> tuple[tuple[str, tuple[Any, ...]], tuple[str, tuple[Any, ...]]]:
     """The fleet view's two queries as SQL with parameters, compiled by the ORM once."""
-    pools = Pool.objects.filter(in_spec=True).values_list(*_POOL_FIELDS)
+    pools = Pool.objects.filter(in_spec=True).values_list(*_PoolRow._fields)
     engines = (EngineInstance.objects.exclude(status=EngineStatus.STOPPED)
                .filter(pool__in_spec=True).order_by("pool_id", "replica", "id")
                .values_list("pool_id", "engine_id", "url", "status", "load"))
@@ -95,44 +107,38 @@ def zone_regions(*, in_spec_only: bool = True) -> dict[str, set[str]]:
     """Return each data zone's regions, from the pools in the spec (or every pool ever known,
     where past usage is judged: a pool that left the spec still served its zone)."""
     pools = Pool.objects.filter(in_spec=True) if in_spec_only else Pool.objects.all()
-    return _zones(pools.values_list(*_POOL_FIELDS))
+    return _zones(pools.values_list("zone", "region"))
 
 
-def _zones(pools: Iterable[_PoolRow]) -> dict[str, set[str]]:
+def _zones(pairs: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
+    """Return each zone's regions from (zone, region) pairs."""
     zones: dict[str, set[str]] = {}
-    for row in pools:
-        zones.setdefault(row[4], set()).add(row[3])
+    for zone, region in pairs:
+        zones.setdefault(zone, set()).add(region)
     return zones
 
 
-def served_models() -> dict[str, set[str]]:
-    """Return each served model's regions."""
-    return _offered(Pool.objects.filter(in_spec=True).values_list(*_POOL_FIELDS))
-
-
 def _offered(pools: Iterable[_PoolRow]) -> dict[str, set[str]]:
+    """Return each served model's regions."""
     models: dict[str, set[str]] = {}
-    for row in pools:
-        models.setdefault(row[2], set()).add(row[3])
+    for pool in pools:
+        models.setdefault(pool.model, set()).add(pool.region)
     return models
 
 
-def model_traits() -> dict[str, ModelTraits]:
+def _traits(pools: Iterable[_PoolRow]) -> dict[str, ModelTraits]:
     """Return what each served model is, from its pools in the spec: an embedding model when
     its pools launch with ``--is-embedding`` (the spec keeps a model's pools alike), and the
     smallest vocabulary its pools declare (None when one declares none)."""
-    return _traits(Pool.objects.filter(in_spec=True).values_list(*_POOL_FIELDS))
-
-
-def _traits(pools: Iterable[_PoolRow]) -> dict[str, ModelTraits]:
-    rows: dict[str, list[tuple[bool, int | None]]] = {}
-    for row in pools:
-        rows.setdefault(row[2], []).append(("--is-embedding" in (row[8] or ()), row[9]))
+    found: dict[str, list[tuple[bool, int | None]]] = {}
+    for pool in pools:
+        found.setdefault(pool.model, []).append(
+            ("--is-embedding" in (pool.extra_args or ()), pool.vocab_size))
     traits = {}
-    for model, found in rows.items():
-        vocabs = [vocab for _, vocab in found]
+    for model, rows in found.items():
+        vocabs = [vocab for _, vocab in rows]
         traits[model] = ModelTraits(
-            embedding=any(embedding for embedding, _ in found),
+            embedding=any(embedding for embedding, _ in rows),
             vocab_size=None if None in vocabs else min(v for v in vocabs if v is not None))
     return traits
 

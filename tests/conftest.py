@@ -43,9 +43,9 @@ def _clean_redis() -> Iterator[None]:
 def _forget_shared_policy_reads() -> None:
     """Price books read for admission are shared for a TTL within a process; a test's
     database is not the last test's (ids are reused after a flush)."""
-    from plans.admission.loading import forget_shared
+    from plans.admission.loading import forget_pricing_reads
 
-    forget_shared()
+    forget_pricing_reads()
 
 
 @pytest.fixture

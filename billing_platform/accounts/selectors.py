@@ -172,12 +172,11 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
     prefix, secret = (match["prefix"], match["secret"]) if match else ("", "")
     read = await _aread(prefix) if match else None
     entry = read[0] if read is not None else None
-    cached = entry is not None
     verified = _verify(_from_cache(entry), secret) if entry is not None else None
     if verified is None:
         retry_after = (await auth_throttle.aretry_after(client_address) if client_address
                        else None)
-        if match and not cached and retry_after is None:  # a throttled address costs no query
+        if match and entry is None and retry_after is None:  # throttled: no query
             principal = await sync_to_async(_load_principal, thread_sensitive=False)(prefix)
             if read is not None:
                 with contextlib.suppress(redis.RedisError):

@@ -10,11 +10,9 @@ uses admission's key names and scripts, and admission imports nothing of quotas.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Any, TypeVar, cast
 
 from django.conf import settings
 from django.db.models import Q, Sum
@@ -48,8 +46,6 @@ from plans.periods import month_bounds, period_bounds
 from plans.pricing import ModelPricing, PriceIndex
 from plans.selectors import active_reservations, subscription_at, token_plan_status
 
-T = TypeVar("T")
-
 
 def limits_of(*, organization_id: int, project_id: int, key_id: int
               ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
@@ -81,12 +77,36 @@ def limits_of(*, organization_id: int, project_id: int, key_id: int
     return tuple(rpm), tuple(tpm), regions
 
 
+# A price book's pricing of a model is what every key's policy reads alike (six of the twelve
+# queries of a policy, about half its CPU): it is read once per QUOTA_POLICY_TTL_S for all the
+# keys of this process, not once per key and model. A policy cached for up to the TTL may so
+# hold pricing read up to a TTL before it: a price version in force from now reaches admission
+# within two TTLs (4 s by default) instead of one. Admission prices only the worst case it
+# reserves against hard budgets and plan credits; what is charged is rated at ingest from the
+# ledger's own read. Loads run in executor threads; a race reads twice and keeps the later.
+# (plan book or None, currency, model) -> (when read, monotonic; the pricing in effect then)
+_pricing_reads: dict[tuple[int | None, str, str], tuple[float, ModelPricing | None]] = {}
+_PRICING_READS_MAX = 10_000
+
+
 def _pricing_for(org: Organization, sub: Subscription | None, model: str, at: datetime
                  ) -> ModelPricing | None:
     book_id = sub.plan.price_book_id if sub is not None and sub.plan.price_book_id else None
     currency = sub.plan.currency if sub is not None else org.currency
-    return _shared(("book", book_id, currency, model), lambda: _book_pricing(
-        book_id, currency, model, at))
+    key, now = (book_id, currency, model), time.monotonic()
+    hit = _pricing_reads.get(key)
+    if hit is not None and now - hit[0] < settings.QUOTA_POLICY_TTL_S:
+        return hit[1]
+    pricing = _book_pricing(book_id, currency, model, at)
+    if len(_pricing_reads) >= _PRICING_READS_MAX:
+        _pricing_reads.clear()
+    _pricing_reads[key] = (now, pricing)
+    return pricing
+
+
+def forget_pricing_reads() -> None:
+    """Drop the pricing reads kept for the TTL (a test's database is not the last test's)."""
+    _pricing_reads.clear()
 
 
 def _book_pricing(book_id: int | None, currency: str, model: str, at: datetime
@@ -99,37 +119,6 @@ def _book_pricing(book_id: int | None, currency: str, model: str, at: datetime
     times, pricings = PriceIndex({book_id}, {model}, at, at).series(book_id, model)
     candidates = [p for t, p in zip(times, pricings, strict=True) if t <= at]
     return candidates[-1] if candidates else None
-
-
-# What every key's policy reads alike (a price book's pricing of a model: six of the twelve
-# queries of a policy, about half its CPU), read once per QUOTA_POLICY_TTL_S for all the keys
-# of this process, not once per key and model. A policy cached for up to the TTL may so hold
-# pricing read up to a TTL before it: a price version in force from now reaches admission
-# within two TTLs (4 s by default) instead of one. Admission prices only the worst case it
-# reserves against hard budgets and plan credits; what is charged is rated at ingest from the
-# ledger's own read. Loads run in executor threads; a race reads twice and keeps the later.
-# Bounded: cleared when it grows past _SHARED_MAX entries.
-_shared_values: dict[Hashable, tuple[float, Any]] = {}
-_SHARED_MAX = 10_000
-
-
-def _shared(key: Hashable, load: Callable[[], T]) -> T:
-    """Return ``load()``'s value, read at most QUOTA_POLICY_TTL_S ago (the pricing in effect
-    when it was read)."""
-    now = time.monotonic()
-    hit = _shared_values.get(key)
-    if hit is not None and now - hit[0] < settings.QUOTA_POLICY_TTL_S:
-        return cast(T, hit[1])
-    value = load()
-    if len(_shared_values) >= _SHARED_MAX:
-        _shared_values.clear()
-    _shared_values[key] = (now, value)
-    return value
-
-
-def forget_shared() -> None:
-    """Drop what ``_shared`` holds (a test's database is not the last test's)."""
-    _shared_values.clear()
 
 
 def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
