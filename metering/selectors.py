@@ -405,11 +405,25 @@ def rated_spend(*, organization_id: int, project_id: int | None, start: datetime
 
     From the hourly rollups, so whole hours: ``start`` and ``end`` are on the hour (a month).
     """
-    qs = UsageRollupHourly.objects.filter(organization_id=organization_id, hour__gte=start,
-                                          hour__lt=end)
+    qs = _rollups_of(organization_id, start, end)
     if project_id is not None:
         qs = qs.filter(project_id=project_id)
     return qs.aggregate(s=Sum("amount"))["s"] or Decimal("0")
+
+
+def rated_spend_query(*, organization_id: int, project_id: int, start: datetime,
+                      end: datetime) -> QuerySet[Any, tuple[Any, Any]]:
+    """``rated_spend`` of the organization and of its project ``project_id`` at once, as a
+    query: one row (org amount, project amount), none where there is no usage."""
+    return (_rollups_of(organization_id, start, end).values("organization_id")
+            .annotate(org=Sum("amount"), project=Sum("amount", filter=Q(project_id=project_id)))
+            .values_list("org", "project"))
+
+
+def _rollups_of(organization_id: int, start: datetime, end: datetime
+                ) -> QuerySet[UsageRollupHourly]:
+    return UsageRollupHourly.objects.filter(organization_id=organization_id, hour__gte=start,
+                                            hour__lt=end)
 
 
 def end_user_spend(*, organization_id: int, end_user: str, start: datetime, end: datetime

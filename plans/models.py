@@ -622,7 +622,11 @@ class QuotaLimit(models.Model):
 
     @property
     def scope(self) -> str:
-        return "key" if self.api_key_id else "project" if self.project_id else "organization"
+        return self.scope_of(project_id=self.project_id, api_key_id=self.api_key_id)
+
+    @staticmethod
+    def scope_of(*, project_id: int | None, api_key_id: int | None) -> str:
+        return "key" if api_key_id else "project" if project_id else "organization"
 
 
 class Budget(models.Model):

@@ -87,10 +87,14 @@ def offerings_visible(*, staff: bool) -> QuerySet[ProvisionedOffering]:
 def subscription_at(*, organization: Organization, at: datetime | None = None
                     ) -> Subscription | None:
     """Return the organization's subscription covering ``at`` (None: it is on-demand)."""
-    at = at or timezone.now()
-    return (Subscription.objects.select_related("plan")
-            .filter(organization=organization, starts_at__lte=at)
-            .filter(Q(ends_at__isnull=True) | Q(ends_at__gt=at)).first())
+    return subscriptions_at(organization_id=organization.pk, at=at or timezone.now()
+                            ).select_related("plan").first()
+
+
+def subscriptions_at(*, organization_id: int, at: datetime) -> QuerySet[Subscription]:
+    """Return the organization's subscriptions covering ``at`` (one at most)."""
+    return Subscription.objects.filter(organization_id=organization_id, starts_at__lte=at).filter(
+        Q(ends_at__isnull=True) | Q(ends_at__gt=at))
 
 
 @dataclass(frozen=True)

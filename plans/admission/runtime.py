@@ -69,7 +69,7 @@ class _Reloading(Generic[K, V]):
     """Values read from PostgreSQL, fresh for ``POLICY_TTL_S``, reloaded off the request path.
 
     Past its TTL a value is still served while ONE task per key reloads it, so no request
-    waits for the reload (~15 ms of queries) and concurrent requests do not each start one;
+    waits for the reload (a few ms of queries) and concurrent requests do not each start one;
     a change (limits, budgets, suspension) takes effect within the TTL plus one reload. Past
     ``POLICY_STALE_S`` more, or when nothing is cached, the request waits for the reload.
     A reload that fails leaves the old value in place and is tried again by the next request.
