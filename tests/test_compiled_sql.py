@@ -1,6 +1,7 @@
 """ORM queries compiled once and run with new values (``billing_platform.compiled_sql``): each
-run answers for its own values, exactly as the queryset would, and a query whose values the ORM
-does not pass through is refused rather than run with the placeholder's value."""
+run answers for its own values, exactly as the queryset would, several run in one round trip,
+and a query whose values the ORM does not pass through is refused rather than run with the
+placeholder's value."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from decimal import Decimal
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 from django.db.models import Q
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from billing_platform.compiled_sql import CompiledQuery
+from billing_platform.compiled_sql import CompiledQuery, rows_of
 from plans.models import Budget
 from tests.factories import OrganizationFactory, ProjectFactory
 
@@ -76,3 +79,23 @@ def test_a_constant_equal_to_a_placeholder_stays_a_constant():
 
     # when run with another value, then only the placeholder took it: 50 < amount < 1000
     assert query.rows(amount=Decimal("1000")) == [(Decimal("100.00"),)]
+
+
+def test_several_queries_run_in_one_round_trip_and_answer_in_order():
+    # given two organizations, and a second query of another shape
+    a, a_project = _org_with_budgets("100.00", "7.50")
+    _b, _ = _org_with_budgets("42.00")
+    names = CompiledQuery(lambda org: OrganizationFactory._meta.model.objects.filter(
+        pk=org).values_list("slug"), org=-1)
+    since = timezone.now() - timedelta(hours=1)
+
+    # when both run at once
+    with CaptureQueriesContext(connection) as ctx:
+        budgets, slugs = rows_of(_BUDGETS, names, org=a.id, project=a_project.id, since=since)
+
+    # then one statement was sent, and each query answered as it does alone
+    assert len(ctx.captured_queries) == 1
+    assert budgets == _BUDGETS.rows(org=a.id, project=a_project.id, since=since)
+    assert slugs == [(a.slug,)]
+    # and a query that finds nothing still answers its (empty) place
+    assert rows_of(names, _BUDGETS, org=-5, project=-6, since=since) == [[], []]

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db.models import Q, Sum
@@ -21,7 +21,7 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from billing_platform.accounts.models import Organization
-from billing_platform.compiled_sql import CompiledQuery
+from billing_platform.compiled_sql import CompiledQuery, rows_of
 from metering.selectors import end_user_spend, rated_spend_query
 from plans.admission.policy import (
     DEFAULT_USAGE_TIER,
@@ -50,10 +50,8 @@ from plans.selectors import active_reservations, subscriptions_at, token_plan_st
 
 # A gateway process reloads each (key, model) policy about every QUOTA_POLICY_TTL_S, so a
 # quiet tenant's request nearly always comes with a reload: the reads below are the ORM's
-# queries compiled once and run on a plain cursor (``CompiledQuery``), ~1.55 ms of CPU a policy
-# here instead of ~6.9 for the same queries built and compiled at each load
-# (bench/policy_reload.py; PostgreSQL's own CPU is ~1.3 ms a policy). Token plans' rules read
-# more, through the ORM: only their organizations pay for it.
+# queries compiled once and sent as one statement string (``CompiledQuery``, ``rows_of``).
+# Token plans' rules read more, through the ORM: only their organizations pay for it.
 _ORG, _PROJECT, _KEY, _MODEL = -9_000_001, -9_000_002, -9_000_003, "<model>"
 _AT, _START, _END = (datetime(1901, 1, 1, 0, 0, s, tzinfo=UTC) for s in (1, 2, 3))
 
@@ -94,9 +92,15 @@ def limits_of(*, organization_id: int, project_id: int, key_id: int
               ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
                          frozenset[str] | None]:
     """Return the (rpm, tpm) limits per scope and the region narrowing for one key."""
+    return _limits(organization_id, project_id, key_id, _LIMITS.rows(
+        org=organization_id, project=project_id, key=key_id))
+
+
+def _limits(organization_id: int, project_id: int, key_id: int, limit_rows: list[tuple[Any, ...]]
+            ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...],
+                       frozenset[str] | None]:
     rows = {QuotaLimit.scope_of(project_id=row.project_id, api_key_id=row.api_key_id): row
-            for row in map(_LimitRow._make, _LIMITS.rows(
-                org=organization_id, project=project_id, key=key_id))}
+            for row in map(_LimitRow._make, limit_rows)}
     org = rows.get("organization")
     tier_rpm, tier_tpm = USAGE_TIERS[(org.usage_tier if org and org.usage_tier
                                       else DEFAULT_USAGE_TIER)]
@@ -237,8 +241,7 @@ def _window_rule(sub: Subscription | None, model: str, at: datetime) -> WindowRu
                       mine.get("output", zero)), seed=seed)
 
 
-def _provisioned_for(org_id: int, model: str, at: datetime) -> ProvisionedRule | None:
-    rows = _RESERVATION.rows(org=org_id, at=at, model=model)
+def _provisioned(rows: list[tuple[Any, ...]]) -> ProvisionedRule | None:
     if not rows:
         return None
     pk, region, units, per_unit, cache_burndown, output_burndown, overflow = rows[0]
@@ -252,46 +255,38 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
                       ) -> QuotaPolicy:
     """Return what admission enforces for one key and model, read from PostgreSQL."""
     now = timezone.now()
-    currency = _CURRENCY.rows(org=organization_id)
+    start, end = month_bounds(now)
+    currency, limit_rows, budget_rows, spend, sub_rows, reservation, end_users = rows_of(
+        _CURRENCY, _LIMITS, _BUDGETS, _SPEND, _SUBSCRIPTION, _RESERVATION, _END_USERS,
+        org=organization_id, project=project_id, key=key_id, model=model, at=now, start=start,
+        end=end)
     if not currency:
         raise Organization.DoesNotExist(f"no organization {organization_id}")
-    rpm, tpm, regions = limits_of(organization_id=organization_id, project_id=project_id,
-                                  key_id=key_id)
-    budgets = []
-    rows = _BUDGETS.rows(org=organization_id, project=project_id)
-    if rows:
-        start, end = month_bounds(now)
-        spend = _SPEND.rows(org=organization_id, project=project_id, start=start, end=end)
-        org_spend, project_spend = spend[0] if spend else (None, None)
-        for pk, budget_project, amount, hard, suspended_at in rows:
-            spent = project_spend if budget_project is not None else org_spend
-            budgets.append(BudgetRule(
-                budget_id=pk, scope="project" if budget_project else "organization",
-                limit=amount, hard=hard, spent_seed=spent or Decimal("0"),
-                suspended=suspended_at is not None))
+    rpm, tpm, regions = _limits(organization_id, project_id, key_id, limit_rows)
+    org_spend, project_spend = spend[0] if spend else (None, None)
+    budgets = [BudgetRule(
+        budget_id=pk, scope="project" if budget_project else "organization", limit=amount,
+        hard=hard, spent_seed=(project_spend if budget_project else org_spend) or Decimal("0"),
+        suspended=suspended_at is not None)
+        for pk, budget_project, amount, hard, suspended_at in budget_rows]
     # org budget first, then the project's (the order of the spend-limit codes' precedence)
     budgets.sort(key=lambda b: b.scope != "organization")
-    sub = _subscription(organization_id, now)  # read once: four rules depend on it
+    # read once: four rules depend on it. Most organizations have none; one that has is read
+    # with its plan by the ORM (its rules read the plan's rows through it anyway)
+    sub = (Subscription.objects.select_related("plan").get(pk=sub_rows[0][0]) if sub_rows
+           else None)
     plan_rule = _plan_rule(sub, model, now)
     if plan_rule is not None:
         budgets.append(plan_rule)
     return QuotaPolicy(
         org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
         budgets=tuple(budgets), pricing=_pricing_for(currency[0][0], sub, model, now),
-        allowed_regions=regions, provisioned=_provisioned_for(organization_id, model, now),
+        allowed_regions=regions, provisioned=_provisioned(reservation),
         plan_exhausted=_plan_exhausted(sub, now), currency=currency[0][0],
-        window=_window_rule(sub, model, now), end_users=_end_user_limits(organization_id))
+        window=_window_rule(sub, model, now), end_users=_end_user_limits(end_users))
 
 
-def _subscription(organization_id: int, at: datetime) -> Subscription | None:
-    """``subscription_at``: most organizations have none, found by a compiled read; one that
-    has is read with its plan by the ORM (its rules read the plan's rows anyway)."""
-    rows = _SUBSCRIPTION.rows(org=organization_id, at=at)
-    return Subscription.objects.select_related("plan").get(pk=rows[0][0]) if rows else None
-
-
-def _end_user_limits(organization_id: int) -> EndUserLimits | None:
-    rows = _END_USERS.rows(org=organization_id)
+def _end_user_limits(rows: list[tuple[Any, ...]]) -> EndUserLimits | None:
     if not rows:
         return None
     named = {user: (pk, amount) for pk, user, amount in rows if user is not None}
