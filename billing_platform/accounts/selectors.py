@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hmac
 import re
 import time
@@ -170,6 +172,7 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
     """
     match = KEY_RE.match(raw.strip())
     prefix, secret = (match["prefix"], match["secret"]) if match else ("", "")
+    read_at = time.monotonic()
     read = await _aread(prefix) if match else None
     entry = read[0] if read is not None else None
     verified = _verify(_from_cache(entry), secret) if entry is not None else None
@@ -177,8 +180,8 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
         retry_after = (await auth_throttle.aretry_after(client_address) if client_address
                        else None)
         if match and entry is None and retry_after is None:  # throttled: no query
-            principal = await sync_to_async(_load_principal, thread_sensitive=False)(prefix)
-            if read is not None:
+            principal, mine = await _alookup(prefix, read_at)
+            if read is not None and mine:
                 with contextlib.suppress(redis.RedisError):
                     await keycache.afill(prefix, _entry(principal), marker=read[1])
             verified = _verify(principal, secret)
@@ -191,6 +194,39 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
     # Advisory and off the request's path: batched with other uses, written within a second.
     keycache.atouch_soon(verified.key_id, time.time())
     return verified
+
+
+# The database lookups of keys this process has in flight: prefix -> (when it started,
+# monotonic; the lookup). When a busy key's cache entry expires (every API_KEY_CACHE_TTL_S) or
+# Redis loses the cache, every request in flight for that key misses at once; they share one
+# lookup instead of each sending its own to PostgreSQL (and taking a database thread).
+_lookups: dict[str, tuple[float, asyncio.Task[KeyPrincipal | None]]] = {}
+
+
+async def _alookup(prefix: str, read_at: float) -> tuple[KeyPrincipal | None, bool]:
+    """Return the key's principal as PostgreSQL has it, and whether this call looked it up
+    (the one that fills the cache, with the marker its own read saw).
+
+    A request joins a lookup only if it started after the request's cache read began: so it
+    is never older than what the request read, and a key revoked before then is refused as
+    it would be without sharing.
+    """
+    loop = asyncio.get_running_loop()
+    held = _lookups.get(prefix)
+    if held is not None and held[0] >= read_at and held[1].get_loop() is loop:
+        return await asyncio.shield(held[1]), False
+    task = loop.create_task(sync_to_async(_load_principal, thread_sensitive=False)(prefix))
+    _lookups[prefix] = (time.monotonic(), task)
+    task.add_done_callback(functools.partial(_lookup_done, prefix))
+    return await asyncio.shield(task), True
+
+
+def _lookup_done(prefix: str, task: asyncio.Task[KeyPrincipal | None]) -> None:
+    held = _lookups.get(prefix)
+    if held is not None and held[1] is task:
+        del _lookups[prefix]
+    if not task.cancelled():
+        task.exception()  # retrieved: the requests that awaited it were given it
 
 
 def organizations_for_user(*, user: User) -> QuerySet[Organization]:

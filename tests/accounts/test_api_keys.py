@@ -174,3 +174,55 @@ def test_gateway_notes_last_used_in_one_write_off_the_requests_path():
     assert before <= noted <= time.time()
     assert services.api_key_last_used_flush() == 1
     assert ApiKey.objects.get(pk=key.pk).last_used_at.timestamp() == pytest.approx(noted)
+
+
+def test_requests_that_miss_the_cache_together_share_one_database_lookup():
+    # given a key whose cache entry is gone (expired, or Redis lost it)
+    import asyncio
+
+    from billing_platform.accounts.metrics import KEY_LOOKUPS
+    from billing_platform.accounts.selectors import aapi_key_authenticate
+
+    key, secret = make_key()
+    keycache.invalidate([key.prefix])
+    database = KEY_LOOKUPS.labels("database")
+    start = database._value.get()
+
+    # when 20 requests with it arrive together, and one more once they are answered
+    async def scenario():
+        together = await asyncio.gather(*(aapi_key_authenticate(secret) for _ in range(20)))
+        return together, await aapi_key_authenticate(secret)
+
+    together, after = asyncio.run(scenario())
+
+    # then all were let in on one lookup of PostgreSQL, which filled the cache for the next
+    assert [p.key_id for p in together] == [key.pk] * 20
+    assert after.key_id == key.pk
+    assert database._value.get() == start + 1
+
+
+def test_a_request_shares_only_a_lookup_begun_after_its_cache_read():
+    # given a key whose cache entry is gone, and one lookup of it in flight
+    import asyncio
+
+    from billing_platform.accounts.metrics import KEY_LOOKUPS
+    from billing_platform.accounts.selectors import _alookup
+
+    key, _secret = make_key()
+    database = KEY_LOOKUPS.labels("database")
+    start = database._value.get()
+
+    async def scenario():
+        read_before = time.monotonic()
+        first = asyncio.ensure_future(_alookup(key.prefix, read_before))
+        await asyncio.sleep(0)  # its lookup has started (a database thread takes longer)
+        # when one request read the cache before that lookup began and one after
+        return await asyncio.gather(first, _alookup(key.prefix, read_before),
+                                    _alookup(key.prefix, time.monotonic()))
+
+    (_, first), (_, earlier), (_, later) = asyncio.run(scenario())
+
+    # then the earlier one shares it; the later one looks up on its own (a key revoked in
+    # between must not be let in on the older answer)
+    assert (first, earlier, later) == (True, False, True)
+    assert database._value.get() == start + 2
