@@ -33,7 +33,7 @@ from plans.admission.policy import (
     WindowRule,
     to_micro,
 )
-from plans.choices import ANY_MODEL, CapPolicy, OverflowPolicy, PlanKind
+from plans.choices import ANY_MODEL, CapPolicy, OverflowPolicy
 from plans.models import (
     Budget,
     CreditCoefficient,
@@ -46,7 +46,12 @@ from plans.models import (
 )
 from plans.periods import month_bounds, period_bounds
 from plans.pricing import ModelPricing, PriceIndex
-from plans.selectors import active_reservations, subscriptions_at, token_plan_status
+from plans.selectors import (
+    TokenPlanStatus,
+    active_reservations,
+    subscriptions_at,
+    token_plan_status,
+)
 
 # A gateway process reloads each (key, model) policy about every QUOTA_POLICY_TTL_S, so a
 # quiet tenant's request nearly always comes with a reload: the reads below are the ORM's
@@ -168,10 +173,7 @@ def _book_pricing(book_id: int | None, currency: str, model: str, at: datetime
     return candidates[-1] if candidates else None
 
 
-def _plan_exhausted(sub: Subscription | None, at: datetime) -> str:
-    if sub is None:
-        return ""
-    status = token_plan_status(subscription=sub, at=at)
+def _plan_exhausted(status: TokenPlanStatus | None) -> str:
     if status is None or status.cap_policy != CapPolicy.BLOCK or status.credits_left > 0:
         return ""
     if status.window_credits is not None and status.window_used >= status.window_credits:
@@ -189,20 +191,20 @@ def _coefficients(sub: Subscription, model: str) -> dict[str, Decimal] | None:
     return coefs.get(model) or coefs.get(ANY_MODEL)
 
 
-def _plan_rule(sub: Subscription | None, model: str, at: datetime) -> BudgetRule | None:
-    """Return a blocking token plan's period credits as an admission rule (None otherwise)."""
-    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
-            or sub.plan.cap_policy != CapPolicy.BLOCK or not sub.plan.credits_per_period):
+def _plan_rule(sub: Subscription | None, status: TokenPlanStatus | None,
+               mine: dict[str, Decimal] | None, at: datetime) -> BudgetRule | None:
+    """Return a blocking token plan's period credits as an admission rule (None otherwise).
+
+    ``status`` is the plan's now, ``mine`` the plan's coefficients of the model (None: the
+    model is not on the plan, rated on demand, nothing to block)."""
+    if (sub is None or status is None or not mine or sub.plan.cap_policy != CapPolicy.BLOCK
+            or not sub.plan.credits_per_period):
         return None
-    mine = _coefficients(sub, model)
-    if not mine:
-        return None  # the model is not on the plan: rated on demand, nothing to block
     zero = Decimal("0")
     start, _end = period_bounds(sub.billing_anchor, at)
     period = TokenPlanPeriod.objects.filter(subscription=sub, period_start=start).first()
     used = (period.plan_credits + period.pack_credits) if period else zero
-    status = token_plan_status(subscription=sub, at=at)
-    packs = status.pack_credits_left if status else zero
+    packs = status.pack_credits_left
     return BudgetRule(
         budget_id=sub.id, scope="plan", hard=True, suspended=False,
         limit=sub.plan.credits_per_period + packs + (period.pack_credits if period else zero),
@@ -211,18 +213,16 @@ def _plan_rule(sub: Subscription | None, model: str, at: datetime) -> BudgetRule
                       mine.get("output", zero)))
 
 
-def _window_rule(sub: Subscription | None, model: str, at: datetime) -> WindowRule | None:
+def _window_rule(sub: Subscription | None, status: TokenPlanStatus | None,
+                 mine: dict[str, Decimal] | None, at: datetime) -> WindowRule | None:
     """Return a blocking token plan's rolling window as an admission rule (None otherwise).
 
     The limit adds the credit packs left, as the period rule does: past the window's room the
     ledger draws on packs before blocking. The seed is the ledger's plan credits per minute
     still in the window, used by Redis only when it holds no window for the subscription.
     """
-    if (sub is None or sub.plan.kind != PlanKind.TOKEN_PLAN
-            or sub.plan.cap_policy != CapPolicy.BLOCK or sub.plan.window_credits is None):
-        return None
-    mine = _coefficients(sub, model)
-    if not mine:
+    if (sub is None or status is None or not mine or sub.plan.cap_policy != CapPolicy.BLOCK
+            or sub.plan.window_credits is None):
         return None
     zero = Decimal("0")
     hours = sub.plan.window_hours
@@ -233,10 +233,9 @@ def _window_rule(sub: Subscription | None, model: str, at: datetime) -> WindowRu
             .annotate(credits=Sum("plan_credits")).values_list("minute", "credits"))
     seed = tuple(sorted((int(minute.timestamp()) // 60, to_micro(credits))
                         for minute, credits in rows))
-    status = token_plan_status(subscription=sub, at=at)
-    packs = status.pack_credits_left if status else zero
     return WindowRule(
-        subscription_id=sub.id, hours=hours, limit=sub.plan.window_credits + packs,
+        subscription_id=sub.id, hours=hours,
+        limit=sub.plan.window_credits + status.pack_credits_left,
         coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
                       mine.get("output", zero)), seed=seed)
 
@@ -275,15 +274,20 @@ def quota_policy_load(*, organization_id: int, project_id: int, key_id: int, mod
     # with its plan by the ORM (its rules read the plan's rows through it anyway)
     sub = (Subscription.objects.select_related("plan").get(pk=sub_rows[0][0]) if sub_rows
            else None)
-    plan_rule = _plan_rule(sub, model, now)
+    # a token plan's credits now (None for any other plan), and where it blocks at its cap its
+    # coefficients of the model: read once for the three rules
+    status = token_plan_status(subscription=sub, at=now) if sub is not None else None
+    mine = (_coefficients(sub, model) if sub is not None and status is not None
+            and sub.plan.cap_policy == CapPolicy.BLOCK else None)
+    plan_rule = _plan_rule(sub, status, mine, now)
     if plan_rule is not None:
         budgets.append(plan_rule)
     return QuotaPolicy(
         org_id=organization_id, project_id=project_id, key_id=key_id, rpm=rpm, tpm=tpm,
         budgets=tuple(budgets), pricing=_pricing_for(currency[0][0], sub, model, now),
         allowed_regions=regions, provisioned=_provisioned(reservation),
-        plan_exhausted=_plan_exhausted(sub, now), currency=currency[0][0],
-        window=_window_rule(sub, model, now), end_users=_end_user_limits(end_users))
+        plan_exhausted=_plan_exhausted(status), currency=currency[0][0],
+        window=_window_rule(sub, status, mine, now), end_users=_end_user_limits(end_users))
 
 
 def _end_user_limits(rows: list[tuple[Any, ...]]) -> EndUserLimits | None:
