@@ -2,8 +2,10 @@
 
 Why a module of its own: building a queryset and compiling it to SQL costs this machine about
 0.5-1 ms of CPU a query, several times what PostgreSQL spends answering a read by primary key,
-and the reads that gateway processes repeat every second or two (the fleet, each key's quota
-policy) did that again on every read. ``CompiledQuery`` keeps the ORM as the one definition of
+and the reads that gateway processes repeat every second or two (each key's quota policy)
+did that again on every read. (The fleet read does the same with SQL of its own,
+``engine_adapter.selectors``: engine_adapter imports nothing of the other apps.)
+``CompiledQuery`` keeps the ORM as the one definition of
 the query (the queryset, built by the selector that owns it) and compiles it once per process;
 each run sends the same SQL with the new values and reads plain rows (no model instances).
 
