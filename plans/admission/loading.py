@@ -181,24 +181,29 @@ def _plan_exhausted(status: TokenPlanStatus | None) -> str:
     return "this period's credits are used up"
 
 
-def _coefficients(sub: Subscription, model: str) -> dict[str, Decimal] | None:
-    """Return the plan's credit coefficient per token class for ``model`` (its own, else the
-    plan's any-model row), or None where the model is not on the plan."""
+def _coefficients(sub: Subscription, model: str) -> tuple[Decimal, Decimal, Decimal] | None:
+    """Return the plan's credit coefficients of ``model`` (its own, else the plan's any-model
+    row) as (input, cached input, output), or None where the model is not on the plan."""
     coefs: dict[str, dict[str, Decimal]] = {}
     for m, cls, c in CreditCoefficient.objects.filter(plan=sub.plan).values_list(
             "model", "token_class", "coefficient"):
         coefs.setdefault(m, {})[cls] = c
-    return coefs.get(model) or coefs.get(ANY_MODEL)
+    mine = coefs.get(model) or coefs.get(ANY_MODEL)
+    if mine is None:
+        return None
+    zero = Decimal("0")
+    return mine.get("input", zero), mine.get("cached_input", zero), mine.get("output", zero)
 
 
 def _plan_rule(sub: Subscription | None, status: TokenPlanStatus | None,
-               mine: dict[str, Decimal] | None, at: datetime) -> BudgetRule | None:
+               mine: tuple[Decimal, Decimal, Decimal] | None, at: datetime
+               ) -> BudgetRule | None:
     """Return a blocking token plan's period credits as an admission rule (None otherwise).
 
-    ``status`` is the plan's now, ``mine`` the plan's coefficients of the model (None: the
-    model is not on the plan, rated on demand, nothing to block)."""
-    if (sub is None or status is None or not mine or sub.plan.cap_policy != CapPolicy.BLOCK
-            or not sub.plan.credits_per_period):
+    ``status`` is the plan's now, ``mine`` the coefficients of the model where the plan blocks
+    at its cap (None otherwise, or where the model is not on the plan: rated on demand,
+    nothing to block)."""
+    if sub is None or status is None or mine is None or not sub.plan.credits_per_period:
         return None
     zero = Decimal("0")
     start, _end = period_bounds(sub.billing_anchor, at)
@@ -208,23 +213,20 @@ def _plan_rule(sub: Subscription | None, status: TokenPlanStatus | None,
     return BudgetRule(
         budget_id=sub.id, scope="plan", hard=True, suspended=False,
         limit=sub.plan.credits_per_period + packs + (period.pack_credits if period else zero),
-        spent_seed=used, period_tag=f"{start:%Y%m%d%H}",
-        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
-                      mine.get("output", zero)))
+        spent_seed=used, period_tag=f"{start:%Y%m%d%H}", coefficients=mine)
 
 
 def _window_rule(sub: Subscription | None, status: TokenPlanStatus | None,
-                 mine: dict[str, Decimal] | None, at: datetime) -> WindowRule | None:
+                 mine: tuple[Decimal, Decimal, Decimal] | None, at: datetime
+                 ) -> WindowRule | None:
     """Return a blocking token plan's rolling window as an admission rule (None otherwise).
 
     The limit adds the credit packs left, as the period rule does: past the window's room the
     ledger draws on packs before blocking. The seed is the ledger's plan credits per minute
     still in the window, used by Redis only when it holds no window for the subscription.
     """
-    if (sub is None or status is None or not mine or sub.plan.cap_policy != CapPolicy.BLOCK
-            or sub.plan.window_credits is None):
+    if sub is None or status is None or mine is None or sub.plan.window_credits is None:
         return None
-    zero = Decimal("0")
     hours = sub.plan.window_hours
     rows = (TokenPlanUsage.objects
             .filter(subscription=sub, event_time__gt=at - timedelta(hours=hours),
@@ -235,9 +237,8 @@ def _window_rule(sub: Subscription | None, status: TokenPlanStatus | None,
                         for minute, credits in rows))
     return WindowRule(
         subscription_id=sub.id, hours=hours,
-        limit=sub.plan.window_credits + status.pack_credits_left,
-        coefficients=(mine.get("input", zero), mine.get("cached_input", zero),
-                      mine.get("output", zero)), seed=seed)
+        limit=sub.plan.window_credits + status.pack_credits_left, coefficients=mine,
+        seed=seed)
 
 
 def _provisioned(rows: list[tuple[Any, ...]]) -> ProvisionedRule | None:
