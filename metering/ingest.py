@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import queue
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+import orjson
 import redis
 from django.db import connection
 from redis.exceptions import ClusterDownError, MasterDownError, TryAgainError
@@ -211,7 +211,7 @@ class Ingestor:
     def _decode_blob(self, ids_blob: bytes, payload_blob: bytes, key: str) -> Batch:
         ids = ids_blob.split(b" ")
         try:
-            values = json.loads(b"[" + payload_blob + b"]")
+            values = orjson.loads(b"[" + payload_blob + b"]")  # as events.decode_row does
             if len(values) != len(ids) or not all(map(_framed, values)):
                 raise ValueError("malformed entries")
         except ValueError:

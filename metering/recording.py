@@ -119,6 +119,15 @@ ORDER BY ord
 ON CONFLICT ON CONSTRAINT usage_rollup_hourly_key DO UPDATE SET
     {", ".join(f"{c} = usage_rollup_hourly.{c} + EXCLUDED.{c}" for c in ROLLUP_SUMS)}
 """  # noqa: S608
+# The same for rollups whose text holds no tab: each column one tab-joined string (NULL as
+# \N). psycopg dumps array parameters element by element in Python, which cost more per
+# event than the rest of the upsert; joined, the 22 columns of a 5,000-event batch's ~1,200
+# rollups go as 22 strings.
+_JOINED_ARRAY = "string_to_array(%s, E'\\t', '\\N')::{}[]"
+UPSERT_ROLLUPS_JOINED = UPSERT_ROLLUPS.replace(
+    f"FROM unnest({', '.join(f'%s::{t}[]' for t in _ROLLUP_TYPES)})",
+    f"FROM unnest({', '.join(_JOINED_ARRAY.format(t) for t in _ROLLUP_TYPES)})",
+)
 
 # Hours that received events over an hour after they ended (see ``UsageLateHour``).
 LATE_AFTER = timedelta(hours=1)
@@ -235,14 +244,18 @@ class _Rollups:
         acc[11] += lines.get("cached_input", _ZERO)
         acc[12] += lines.get("output", _ZERO)
 
-    def columns(self) -> list[list[Any]]:
+    def upsert(self, cur: Cursor[Any], *, trusted_text: bool) -> None:
+        """Add the sums to ``usage_rollup_hourly``, in key order (see the module)."""
         keys = sorted(self.sums, key=lambda k: (k[0], k[1], k[2] or 0, *k[3:]))
-        cols: list[list[Any]] = [[] for _ in range(len(ROLLUP_KEY) + len(ROLLUP_SUMS))]
-        for key in keys:
-            values = (*key[:8], f"{key[8]}:00:00+00:00", *self.sums[key])
-            for col, value in zip(cols, values, strict=True):
-                col.append(value)
-        return cols
+        sums = self.sums
+        columns = list(zip(*[(*key[:8], f"{key[8]}:00:00+00:00", *sums[key]) for key in keys],
+                           strict=True))
+        # one row: string_to_array('') is an empty array, not one empty string (a blank region)
+        if not trusted_text or len(keys) == 1:
+            cur.execute(UPSERT_ROLLUPS, [list(col) for col in columns])
+            return
+        cur.execute(UPSERT_ROLLUPS_JOINED, [
+            "\t".join([_N if v is None else str(v) for v in col]) for col in columns])
 
 
 def _write_events(cur: Cursor[Any], fresh: Sequence[Row], ratings: Sequence[Rating], *,
@@ -344,7 +357,7 @@ def _record(rows: Sequence[Row], *, trusted_text: bool) -> RecordResult:
         fresh.sort(key=lambda r: r[I_TIME])  # uniform UTC ISO strings sort chronologically
         ratings = _rate(fresh)
         rollups = _write_events(cur, fresh, ratings, trusted_text=trusted_text)
-        cur.execute(UPSERT_ROLLUPS, rollups.columns())
+        rollups.upsert(cur, trusted_text=trusted_text)
         metrics.usage_recorded_on_commit(rollups.sums)
         _mark_late_hours(cur, fresh)
         faults.point("before_commit")

@@ -160,6 +160,31 @@ def test_an_engine_error_before_any_engine_is_recorded_with_zero_tokens(tenant):
     assert UsageRollupHourly.objects.get().error_requests == 1
 
 
+def test_a_batch_of_rollups_with_blank_and_missing_dimensions_adds_up_per_row(tenant):
+    # given one batch whose rollups differ: a failure before any engine (blank region), a
+    # key-less event and two ordinary ones in one hour
+    batch = [
+        tenant.event("req-a", region="", engine="", status="engine_error", prompt_tokens=0,
+                     cached_tokens=0, completion_tokens=0),
+        tenant.event("req-b", api_key_id=None, prompt_tokens=7,
+                     cached_tokens=0),
+        tenant.event("req-c", prompt_tokens=100, cached_tokens=0, completion_tokens=10),
+        tenant.event("req-d", prompt_tokens=50, cached_tokens=0, completion_tokens=5),
+    ]
+
+    services.usage_events_record([events.normalize(e) for e in batch], origin="test")
+
+    # then each dimension's row holds exactly its events, the blank region and the missing
+    # key kept as they came
+    rows = {(r.region, r.api_key_id): (r.requests, r.error_requests, r.prompt_tokens)
+            for r in UsageRollupHourly.objects.all()}
+    assert rows == {
+        ("", tenant.key.id): (1, 1, 0),
+        ("us-east", None): (1, 0, 7),
+        ("us-east", tenant.key.id): (2, 0, 150),
+    }
+
+
 def test_a_duplicate_inside_one_batch_is_recorded_once(tenant):
     event = events.normalize(tenant.event("req-twice"))
 
