@@ -8,8 +8,8 @@ the fleet view's refresh, admission policy reloads, key lookups that miss the ca
 connection that a PostgreSQL restart had broken stayed in its thread for good, and /v1 failed
 until the process restarted. ``install`` gives the loop a default executor that runs every job
 between two ``close_old_connections()`` calls, as Django runs a request between its signals:
-a broken connection is dropped and the next job connects afresh, and ``CONN_MAX_AGE`` and
-``CONN_HEALTH_CHECKS`` mean what they mean for any Django request. ``in_thread`` is how a /v1
+a broken connection is dropped and the next job connects afresh, and ``CONN_MAX_AGE`` means
+what it means for any Django request. ``in_thread`` is how a /v1
 view runs its database work there: asgiref's thread-sensitive ``sync_to_async`` (its default)
 runs it in one shared thread that nothing checks, so after a PostgreSQL restart /v1/files and
 /v1/batches answered 503 until the process restarted.
@@ -19,8 +19,11 @@ The executor's threads keep their connection between jobs for
 threads only): with the project's ``CONN_MAX_AGE`` of 0 each job opened a new connection, a
 PostgreSQL backend forked and authenticated for every policy reload, fleet refresh and
 key-cache miss (bench/gateway.py: about a tenth of the gateway's CPU per request, besides
-the server's fork). The checks above still run around every job, so a connection a restart
-broke is dropped (``CONN_HEALTH_CHECKS``) and the next job connects afresh. The threads are
+the server's fork). Before each job, a connection the server has ended (a restart tells each
+backend's client, then closes) is dropped and the job connects afresh: a poll of its socket
+(``_drop_closed_by_server``) where Django's ``CONN_HEALTH_CHECKS`` sent a ``SELECT 1``, a
+round trip for every policy reload and key-cache miss. After a job that failed, Django still
+checks the connection (``close_old_connections``) and drops it if broken. The threads are
 the executor's, at most ``max_workers`` per process, so the connections are bounded too.
 
 ``unavailable`` is the /v1 error when PostgreSQL is needed and nothing cached would do (a key
@@ -31,8 +34,10 @@ in OpenAI's shape, never a 500, logged at most once every ``LOG_EVERY_S``, not p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import select
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,8 +55,32 @@ P = ParamSpec("P")
 LOG_EVERY_S = 60.0
 
 
+def _drop_closed_by_server() -> None:
+    """Close this thread's connections on which the server spoke unasked.
+
+    An idle connection receives nothing unless the server ends it (a restart's "terminating
+    connection due to administrator command", then end of file), so a socket with something
+    to read is one to drop: a poll, no round trip. Django's health check (``SELECT 1`` before
+    each job's first query) cost as much as the policy reload it preceded.
+    """
+    for conn in connections.all(initialized_only=True):
+        raw = conn.connection
+        if raw is None:
+            continue
+        try:
+            poll = select.poll()
+            poll.register(raw.fileno(), select.POLLIN)
+            spoke = bool(poll.poll(0))
+        except Exception:  # closed under us: psycopg's or the OS's error
+            spoke = True
+        if spoke:
+            with contextlib.suppress(DatabaseError):
+                conn.close()
+
+
 def _between_checks(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     close_old_connections()
+    _drop_closed_by_server()
     try:
         return fn(*args, **kwargs)
     finally:
@@ -59,14 +88,16 @@ def _between_checks(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 
 def _keep_connections() -> None:
-    """Give this thread's connections ``GATEWAY_DB_CONN_MAX_AGE_S`` as their CONN_MAX_AGE.
+    """Give this thread's connections ``GATEWAY_DB_CONN_MAX_AGE_S`` as their CONN_MAX_AGE, and
+    ``_drop_closed_by_server`` instead of Django's health check.
 
     Each thread has connection objects of its own; their settings are the project's dict,
-    shared, so each gets a copy with the longer age (other threads keep theirs)."""
+    shared, so each gets a copy (other threads keep theirs)."""
     age = settings.GATEWAY_DB_CONN_MAX_AGE_S
     for alias in connections:
         conn = connections[alias]
-        conn.settings_dict = {**conn.settings_dict, "CONN_MAX_AGE": age}
+        conn.settings_dict = {**conn.settings_dict, "CONN_MAX_AGE": age,
+                              "CONN_HEALTH_CHECKS": False}
 
 
 class ConnectionCheckingExecutor(ThreadPoolExecutor):

@@ -179,3 +179,53 @@ def test_postgres_restart_and_outage_under_traffic(own_postgres, tmp_path, meter
         recorded = [r[0] for r in conn.execute("SELECT request_id FROM usage_event")]
     assert len(recorded) == len(set(recorded))
     assert set(recorded) == set(traffic.served)
+
+
+# A gateway process's database thread: one job, then (after a line on stdin) another one,
+# each reporting its backend's pid or the error it met.
+_JOBS = """
+import sys
+import django
+django.setup()
+from django.db import connection
+from billing_platform.gateway.db_connections import ConnectionCheckingExecutor
+
+def job():
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        return cur.fetchone()[0]
+
+executor = ConnectionCheckingExecutor(thread_name_prefix="gateway-db")
+for _ in range(2):
+    try:
+        print(executor.submit(job).result(), flush=True)
+    except Exception as exc:
+        print(type(exc).__name__, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_the_first_database_job_after_a_restart_runs_without_an_error(tmp_path):
+    # given a gateway database thread whose kept connection served a job
+    pg = EmbeddedPostgres(tmp_path / "pg", free_port())
+    pg.start()
+    proc = subprocess.Popen([sys.executable, "-c", _JOBS], cwd=ROOT, text=True,
+                            env={**_env(), "DATABASE_URL": pg.url}, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        first = proc.stdout.readline().strip()
+        assert first.isdigit(), first
+        # when PostgreSQL restarts while the connection is idle
+        pg.stop(mode="fast")
+        pg.start()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        # then the next job succeeds at once, on a new backend (no SELECT 1 sent before it:
+        # the thread saw on the socket that the server had ended the old one)
+        second = proc.stdout.readline().strip()
+        assert second.isdigit() and second != first, (first, second)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        pg.stop(mode="immediate")
+        remove_state(tmp_path / "pg")
