@@ -21,8 +21,16 @@ unindexed, unpartitioned table (``copy_limit_rows_per_s``, the best of text and 
 on one connection and binary over as many connections as the consumers write with), and reports
 ``events_per_copy_limit`` = ``events_per_s`` / ``copy_limit_rows_per_s``.
 
+Where the CPU goes, to tell what bounds the ratio: ``cpu_us_per_event`` splits the throughput
+phase's CPU an event between PostgreSQL (every server process, WAL writer and checkpointer
+included), Redis, the consumers and the producer's sending (``machine`` is every core's busy
+time, the producer's set-up included), and ``copy_limit_cpu_us_per_row`` is the same for the
+COPY limit's best try. ``postgres_cpu_per_copy_limit`` is PostgreSQL's CPU an event over its
+CPU a row in the plain COPY: on a machine whose cores are all busy, the ratio cannot pass its
+inverse even if the consumers cost nothing.
+
 Prints one JSON line: ``{"events", "events_per_s", "copy_limit_rows_per_s",
-"events_per_copy_limit", "lag_p50_s", "lag_p99_s", ...}``.
+"events_per_copy_limit", "lag_p50_s", "lag_p99_s", "cpu_us_per_event", ...}``.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tollgate_bench REDIS_URL=redis://... \\
         .venv/bin/python bench/ingest.py --events 1000000
@@ -49,6 +57,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.procs import CpuMeter
 
 MODELS = ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "mistral-7b-instruct",
           "llama-3.1-70b-instruct", "deepseek-v3")
@@ -103,7 +113,7 @@ def produce(args: argparse.Namespace) -> None:
         chunks.append(per_stream)
         ms += 1  # ids stay in time order as the gateway's would
     add = r.register_script(XADD_LUA)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     sent = 0
     for per_stream in chunks:
         pipe = r.pipeline(transaction=False)
@@ -116,7 +126,8 @@ def produce(args: argparse.Namespace) -> None:
             if ahead > 0:
                 time.sleep(ahead)
     elapsed = time.perf_counter() - start
-    print(json.dumps({"produced": sent, "producer_events_per_s": round(sent / elapsed)}))
+    print(json.dumps({"produced": sent, "producer_events_per_s": round(sent / elapsed),
+                      "producer_cpu_s": time.process_time() - cpu}))
 
 
 TEMPLATE = ('[1,%d,"%s",%d,%d,"%s","%s","global","%s","%s","on_demand",%d,%d,%d,%d,%d,%d,'
@@ -192,8 +203,9 @@ def _consume(args: argparse.Namespace, *, expected: int, shard: int | None) -> d
                         writers=args.writers, shards=None if shard is None else [shard])
     for key in ingestor.keys:
         stream.ensure_group(ingestor.redis, key)
+    cpu = time.process_time()
     stats = ingestor.run()
-    return {**done, "lags": lags, "batches": stats.batches}
+    return {**done, "lags": lags, "batches": stats.batches, "cpu_s": time.process_time() - cpu}
 
 
 def consume(args: argparse.Namespace) -> None:
@@ -245,18 +257,20 @@ def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: 
         if time.monotonic() > deadline:
             raise RuntimeError("the consumers were not ready within 300 s")
         time.sleep(0.05)
-    producer = subprocess.Popen(
-        [sys.executable, __file__, "--produce", "--events", str(events), "--rate", str(rate),
-         "--spec", json.dumps(spec)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    started = time.time()
-    parts = [_consume(args, expected=per_shard[0], shard=0 if len(shards) > 1 else None)]
-    produced = json.loads(producer.communicate(timeout=900)[0].strip().splitlines()[-1])
-    for s, child in enumerate(consumers, start=1):
-        if child.wait(timeout=900) != 0:
-            raise RuntimeError(f"the consumer of shard {s} failed")
-        parts.append(json.loads((workdir / f"{s}.json").read_text()))
+    meter = CpuMeter()
+    with meter:  # until the consumers have exited (their backends' last samples taken)
+        producer = subprocess.Popen(
+            [sys.executable, __file__, "--produce", "--events", str(events), "--rate",
+             str(rate), "--spec", json.dumps(spec)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        started = time.time()
+        parts = [_consume(args, expected=per_shard[0], shard=0 if len(shards) > 1 else None)]
+        produced = json.loads(producer.communicate(timeout=900)[0].strip().splitlines()[-1])
+        for s, child in enumerate(consumers, start=1):
+            if child.wait(timeout=900) != 0:
+                raise RuntimeError(f"the consumer of shard {s} failed")
+            parts.append(json.loads((workdir / f"{s}.json").read_text()))
     from metering import stream
 
     stream.client().delete(*shards)
@@ -276,6 +290,11 @@ def _phase(args: argparse.Namespace, *, events: int, rate: int, run: str, keys: 
         **produced,
         "duplicates": sum(part["dups"] for part in parts),
         "dead_lettered": sum(part["dead"] for part in parts),
+        "cpu_us_per_event": {name: round(seconds * 1e6 / n, 2) if n else None for name, seconds in {
+            "machine": meter.machine_s, "postgres": meter.by_name["postgres"],
+            "redis": meter.by_name["redis-server"],
+            "consumers": sum(part["cpu_s"] for part in parts),
+            "producer": produced.pop("producer_cpu_s")}.items()},
     }
 
 
@@ -348,7 +367,7 @@ def _copy_limit(org_ids: list[int], *, connections: int) -> dict:
                 copy.write(part)
         conn.commit()
 
-    def timed(fmt: str, n: int) -> float:
+    def timed(fmt: str, n: int) -> tuple[float, CpuMeter]:
         shares = export(fmt, n)
         conns = [connect(dsn, **extra) for _ in range(n)]
         try:
@@ -359,12 +378,13 @@ def _copy_limit(org_ids: list[int], *, connections: int) -> dict:
             conns[0].commit()
             threads = [threading.Thread(target=copy_in, args=(c, share, fmt))
                        for c, share in zip(conns, shares, strict=True)]
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - start
+            with CpuMeter() as meter:
+                start = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                elapsed = time.perf_counter() - start
             with conns[0].cursor() as cur:
                 cur.execute(f"SELECT count(*) FROM {COPY_LIMIT_TABLE}")  # noqa: S608
                 copied = cur.fetchone()[0]
@@ -372,7 +392,7 @@ def _copy_limit(org_ids: list[int], *, connections: int) -> dict:
             conns[0].commit()
             if copied != rows:
                 raise RuntimeError(f"copy limit: {copied} rows copied, {rows} expected")
-            return elapsed
+            return elapsed, meter
         finally:
             for c in conns:
                 c.close()
@@ -384,10 +404,14 @@ def _copy_limit(org_ids: list[int], *, connections: int) -> dict:
     tries = {"text_x1": timed("text", 1), "binary_x1": timed("binary", 1)}
     if connections > 1:
         tries[f"binary_x{connections}"] = timed("binary", connections)
-    per_s = {name: round(rows / s) for name, s in tries.items()}
+    per_s = {name: round(rows / s) for name, (s, _) in tries.items()}
     best = max(per_s, key=lambda k: per_s[k])
+    meter = tries[best][1]
     return {"copy_limit_rows_per_s": per_s[best], "copy_limit_method": best,
-            "copy_limit_rows": rows, "copy_limit_tries": per_s}
+            "copy_limit_rows": rows, "copy_limit_tries": per_s,
+            "copy_limit_cpu_us_per_row": {"machine": round(meter.machine_s * 1e6 / rows, 2),
+                                          "postgres": round(meter.by_name["postgres"] * 1e6
+                                                            / rows, 2)}}
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -445,6 +469,14 @@ def bench(args: argparse.Namespace) -> dict:
         "duration_s": load["duration_s"],
         "copy_limit_method": limit["copy_limit_method"],
         "copy_limit_tries": limit["copy_limit_tries"],
+        # where the time goes: the throughput phase's CPU an event by process, beside the
+        # COPY limit's CPU a row; PostgreSQL's share alone bounds the ratio on a busy machine
+        "cpu_us_per_event": load["cpu_us_per_event"],
+        "copy_limit_cpu_us_per_row": limit["copy_limit_cpu_us_per_row"],
+        "postgres_cpu_per_copy_limit": (
+            round(load["cpu_us_per_event"]["postgres"]
+                  / limit["copy_limit_cpu_us_per_row"]["postgres"], 2)
+            if limit["copy_limit_cpu_us_per_row"]["postgres"] else None),
         "producer_events_per_s": load["producer_events_per_s"],
         "batches": load["batches"],
         "batch_size": args.batch_size or conf.batch_size(),
