@@ -8,7 +8,9 @@ a gateway's CPU (``bench/scale.py`` runs that case end to end).
 
 Builds a fresh database (its name must contain "bench"), creates ``--orgs`` organizations,
 each with a project, an organization budget (hard), a project budget on every other one and an
-organization limits row, then loads every organization's policy ``--rounds`` times:
+organization limits row (with ``--token-plan-every N``, every Nth also on a token plan that
+blocks at its cap, with ledger rows in its window, the period's totals and a credit pack), then
+loads every organization's policy ``--rounds`` times:
 
 - ``policy_load_cpu_ms``: this process's CPU per policy load, as the gateway runs it (the
   reads compiled once, ``billing_platform.compiled_sql.CompiledQuery``);
@@ -32,6 +34,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -41,10 +44,46 @@ sys.path.insert(0, str(ROOT))
 from bench.invoice_run import bench_django, drop_database, log
 
 
-def build(orgs: int) -> list[dict[str, int]]:
+def _token_plan():
+    """A token plan that blocks at its cap: 1,000 credits a period, 300 per 5-hour window."""
+    from plans import services
+
+    return services.plan_create(
+        code="bench-tokens", name="Bench token plan", kind="token_plan", monthly_fee="10.00",
+        credits_per_period="1000", window_credits="300", window_hours=5, cap_policy="block",
+        coefficients=[{"model": "bench-model", "token_class": c, "coefficient": k}
+                      for c, k in (("input", "1"), ("cached_input", "0.1"), ("output", "3"))])
+
+
+def _subscribe(org, plan) -> None:
+    """Put ``org`` on ``plan`` with a period's totals, ledger rows in the window (and one
+    before it) and a credit pack in force: what a busy token-plan tenant's reload reads."""
+    from django.utils import timezone
+
+    from plans import services
+    from plans.models import CreditPackPurchase, TokenPlanPeriod, TokenPlanUsage
+    from plans.periods import period_bounds
+
+    now = timezone.now()
+    sub = services.subscription_create(organization=org, plan=plan,
+                                       starts_at=now - timedelta(days=3))
+    start, end = period_bounds(sub.billing_anchor, now)
+    TokenPlanUsage.objects.bulk_create(
+        TokenPlanUsage(subscription=sub, request_id=f"req-{m}", event_time=now - timedelta(
+            minutes=m), period_start=start, plan_credits=Decimal("2"), pack_credits=Decimal(0),
+            overage_credits=Decimal(0)) for m in (1, 2, 3, 30, 90, 400))
+    TokenPlanPeriod.objects.create(subscription=sub, period_start=start, period_end=end,
+                                   plan_credits=Decimal("12"))
+    CreditPackPurchase.objects.create(subscription=sub, credits=Decimal("100"),
+                                      price=Decimal("5"), currency=org.currency,
+                                      expires_at=now + timedelta(days=30))
+
+
+def build(orgs: int, token_plan_every: int) -> list[dict[str, int]]:
     from billing_platform.accounts.models import Organization, Project
     from plans.models import Budget, QuotaLimit
 
+    plan = _token_plan() if token_plan_every else None
     keys = []
     for i in range(orgs):
         org = Organization.objects.create(name=f"Bench {i}", slug=f"bench-{i}",
@@ -56,6 +95,8 @@ def build(orgs: int) -> list[dict[str, int]]:
             Budget.objects.create(organization=org, project=project, amount=Decimal("10"),
                                   hard=True, currency=org.currency)
         QuotaLimit.objects.create(organization=org, usage_tier="tier-2")
+        if plan is not None and i % token_plan_every == 0:
+            _subscribe(org, plan)
         keys.append({"organization_id": org.id, "project_id": project.id,
                      "key_id": 10_000_000 + i})
         if (i + 1) % 250 == 0:
@@ -72,6 +113,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--orgs", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3, help="turns of each way")
+    parser.add_argument("--token-plan-every", type=int, default=0, metavar="N",
+                        help="put every Nth organization on a token plan that blocks at its "
+                             "cap (0: none)")
     parser.add_argument("--keep", action="store_true", help="keep the bench database")
     args = parser.parse_args()
 
@@ -86,7 +130,7 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     log(f"building {args.orgs:,} organizations")
-    keys = build(args.orgs)
+    keys = build(args.orgs, args.token_plan_every)
     with connection.cursor() as cur:
         cur.execute("ANALYZE")
         cur.execute("SELECT pg_backend_pid()")
@@ -115,7 +159,7 @@ def main() -> None:
             f" ORM {orm[0] * per_load:.2f}")
     loads = args.rounds * len(keys)
     result = {
-        "orgs": len(keys), "loads": loads,
+        "orgs": len(keys), "loads": loads, "token_plan_every": args.token_plan_every,
         "policy_load_cpu_ms": round(compiled[0] * 1000 / loads, 3),
         "orm_load_cpu_ms": round(orm[0] * 1000 / loads, 3),
         "postgres_cpu_ms": round(compiled[1] * 1000 / loads, 3),

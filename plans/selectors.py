@@ -125,6 +125,46 @@ class TokenPlanStatus:
         return self.plan_credits_left + self.pack_credits_left
 
 
+def token_plan_period(*, subscription_id: int, period_start: datetime
+                      ) -> QuerySet[TokenPlanPeriod]:
+    """Return a token-plan subscription's totals row of the period starting at
+    ``period_start`` (none before its first event of the period)."""
+    return TokenPlanPeriod.objects.filter(subscription_id=subscription_id,
+                                          period_start=period_start)
+
+
+def token_plan_window_usage(*, subscription_id: int, since: datetime, at: datetime
+                            ) -> QuerySet[TokenPlanUsage]:
+    """Return the ledger rows that drew plan credits in the rolling window (since, at]."""
+    return TokenPlanUsage.objects.filter(subscription_id=subscription_id, event_time__gt=since,
+                                         event_time__lte=at, plan_credits__gt=0)
+
+
+def credit_packs_in_force(*, subscription_id: int, at: datetime
+                          ) -> QuerySet[CreditPackPurchase]:
+    """Return the credit packs bought on a subscription by ``at`` and not expired then."""
+    return (CreditPackPurchase.objects
+            .filter(subscription_id=subscription_id, purchased_at__lte=at)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=at)))
+
+
+def token_plan_status_of(plan: Plan, *, start: datetime, end: datetime,
+                         period: tuple[Decimal, Decimal] | None, window_used: Decimal | None,
+                         window_oldest: datetime | None, pack_credits_left: Decimal
+                         ) -> TokenPlanStatus:
+    """Return a token plan's status from its reads: the period's (plan credits, overage
+    credits), the window's plan credits and oldest event, the packs' credits left."""
+    return TokenPlanStatus(
+        period_start=start, period_end=end, period_credits=plan.credits_per_period or ZERO,
+        period_used=period[0] if period else ZERO, window_hours=plan.window_hours,
+        window_credits=plan.window_credits, window_used=window_used or ZERO,
+        window_frees_at=(window_oldest + timedelta(hours=plan.window_hours)
+                         if window_oldest else None),
+        pack_credits_left=pack_credits_left,
+        overage_credits=period[1] if period else ZERO, cap_policy=plan.cap_policy,
+    )
+
+
 def token_plan_status(*, subscription: Subscription, at: datetime | None = None
                       ) -> TokenPlanStatus | None:
     """Return the credits used and left now; None for a subscription that is not a token plan."""
@@ -133,25 +173,16 @@ def token_plan_status(*, subscription: Subscription, at: datetime | None = None
         return None
     at = at or timezone.now()
     start, end = period_bounds(subscription.billing_anchor, at)
-    period = TokenPlanPeriod.objects.filter(subscription=subscription, period_start=start).first()
-    window_from = at - timedelta(hours=plan.window_hours)
-    window = (TokenPlanUsage.objects
-              .filter(subscription=subscription, event_time__gt=window_from, event_time__lte=at,
-                      plan_credits__gt=0)
-              .aggregate(used=Sum("plan_credits"), oldest=Min("event_time")))
-    packs = (CreditPackPurchase.objects
-             .filter(subscription=subscription, purchased_at__lte=at)
-             .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=at)))
-    pack_left = sum((p.credits_left for p in packs), ZERO)
-    return TokenPlanStatus(
-        period_start=start, period_end=end, period_credits=plan.credits_per_period or ZERO,
-        period_used=period.plan_credits if period else ZERO, window_hours=plan.window_hours,
-        window_credits=plan.window_credits, window_used=window["used"] or ZERO,
-        window_frees_at=(window["oldest"] + timedelta(hours=plan.window_hours)
-                         if window["oldest"] else None),
-        pack_credits_left=pack_left,
-        overage_credits=period.overage_credits if period else ZERO, cap_policy=plan.cap_policy,
-    )
+    period = token_plan_period(subscription_id=subscription.pk, period_start=start).values_list(
+        "plan_credits", "overage_credits").first()
+    window = token_plan_window_usage(
+        subscription_id=subscription.pk, since=at - timedelta(hours=plan.window_hours), at=at,
+    ).aggregate(used=Sum("plan_credits"), oldest=Min("event_time"))
+    packs = credit_packs_in_force(subscription_id=subscription.pk, at=at)
+    return token_plan_status_of(
+        plan, start=start, end=end, period=period, window_used=window["used"],
+        window_oldest=window["oldest"],
+        pack_credits_left=sum((p.credits_left for p in packs), ZERO))
 
 
 def reservations_of(*, organization: Organization) -> QuerySet[Reservation]:

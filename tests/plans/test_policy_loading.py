@@ -68,3 +68,64 @@ def test_a_new_price_reaches_admission_within_the_policy_ttl():
         Decimal("2.00"), Decimal("5.00"))
     time.sleep(0.35)
     assert quota_policy_load(**key, model="m1").pricing.base.output == Decimal("5.00")
+
+
+def test_a_blocking_token_plan_loads_its_period_window_and_packs_in_three_round_trips():
+    # given an organization on a token plan that blocks at its cap (1,000 credits a period,
+    # 300 per 5-hour window), whose ledger holds credits two and three minutes ago and six
+    # hours ago (outside the window), with the period's totals, a pack in force (40 of 100
+    # credits used) and an expired one
+    from billing_platform.accounts.models import Organization
+    from plans.models import CreditPackPurchase, TokenPlanPeriod, TokenPlanUsage
+    from plans.periods import period_bounds
+    from plans.selectors import token_plan_status
+    from tests.factories import make_token_plan
+
+    make_price_book(prices=[{"model": "test-model", "input": "1.00", "output": "2.00"}])
+    key = _key()
+    now = timezone.now()
+    sub = plan_services.subscription_create(
+        organization=Organization.objects.get(pk=key["organization_id"]),
+        plan=make_token_plan(cap_policy="block"),
+        starts_at=now - timedelta(days=2))
+    start, end = period_bounds(sub.billing_anchor, now)
+    for i, (ago, credits) in enumerate(((timedelta(minutes=3), "20"),
+                                        (timedelta(minutes=2), "30"),
+                                        (timedelta(minutes=2), "5"),
+                                        (timedelta(hours=6), "100"))):
+        TokenPlanUsage.objects.create(
+            subscription=sub, request_id=f"req-{i}", event_time=now - ago, period_start=start,
+            plan_credits=Decimal(credits), pack_credits=Decimal("0"),
+            overage_credits=Decimal("0"))
+    TokenPlanPeriod.objects.create(subscription=sub, period_start=start, period_end=end,
+                                   plan_credits=Decimal("155"), pack_credits=Decimal("40"))
+    for expires, used in ((now + timedelta(days=5), "40"), (now - timedelta(days=1), "0")):
+        CreditPackPurchase.objects.create(
+            subscription=sub, credits=Decimal("100"), credits_used=Decimal(used),
+            price=Decimal("1"), currency="USD", purchased_at=now - timedelta(days=1),
+            expires_at=expires)
+    quota_policy_load(**key, model="test-model")  # the book's pricing, read once per TTL
+
+    # when its policy is loaded
+    with CaptureQueriesContext(connection) as ctx:
+        policy = quota_policy_load(**key, model="test-model")
+
+    # then the plan's period rule holds the period's credits plus what packs add, seeded with
+    # what the period used, as the console's status reads them
+    status = token_plan_status(subscription=sub)
+    assert status.pack_credits_left == Decimal("60")
+    (rule,) = [b for b in policy.budgets if b.scope == "plan"]
+    assert (rule.limit, rule.spent_seed) == (Decimal("1000") + 60 + 40, Decimal("195"))
+    assert rule.coefficients == (Decimal("1"), Decimal("0.1"), Decimal("3"))
+    # and the window rule its 300 credits plus the packs left, seeded minute by minute with
+    # what is still in the window
+    minute = int(now.timestamp()) // 60
+    assert policy.window.limit == Decimal("300") + 60
+    assert dict(policy.window.seed) == {
+        (int((now - timedelta(minutes=3)).timestamp()) // 60): 20_000_000,
+        (int((now - timedelta(minutes=2)).timestamp()) // 60): 35_000_000,
+    }
+    assert max(dict(policy.window.seed)) <= minute
+    assert policy.plan_exhausted == ""
+    # in three round trips: the key's reads, the subscription with its plan, its credits
+    assert len(ctx.captured_queries) == 3, [q["sql"][:80] for q in ctx.captured_queries]
