@@ -110,8 +110,9 @@ _WINDOW = CompiledQuery(lambda sub, since, at: token_plan_window_usage(
     used=Sum("plan_credits"), oldest=Min("event_time")).values_list("used", "oldest"),
     sub=_SUB, since=_START, at=_AT)
 _WINDOW_MINUTES = CompiledQuery(lambda sub, since, at: token_plan_window_usage(
-    subscription_id=sub, since=since, at=at).annotate(minute=TruncMinute("event_time")).values(
-    "minute").annotate(credits=Sum("plan_credits")).values_list("minute", "credits"),
+    subscription_id=sub, since=since, at=at).annotate(
+    minute=TruncMinute("event_time", tzinfo=UTC)).values("minute").annotate(
+    credits=Sum("plan_credits")).values_list("minute", "credits"),
     sub=_SUB, since=_START, at=_AT)
 _PACKS = CompiledQuery(lambda sub, at: credit_packs_in_force(
     subscription_id=sub, at=at).values_list("credits", "credits_used"), sub=_SUB, at=_AT)
@@ -276,7 +277,7 @@ def _window_rule(sub: Subscription | None, plan: _TokenPlan | None) -> WindowRul
     """
     if sub is None or plan is None or plan.mine is None or sub.plan.window_credits is None:
         return None
-    # a plain cursor reads the truncated minute as a naive UTC timestamp, the ORM as aware
+    # truncated in UTC: a plain cursor reads the minute naive, the ORM aware
     seed = tuple(sorted(
         (int((m if m.tzinfo else m.replace(tzinfo=UTC)).timestamp()) // 60, to_micro(credits))
         for m, credits in plan.minutes))
