@@ -88,13 +88,8 @@ __all__ = [
 
 
 class UsageFacts(NamedTuple):
-    """One usage event as metering sees it. Token counts are the engine's.
-
-    Immutable, as a frozen dataclass would be, but a named tuple: ingest builds one per event,
-    and a frozen dataclass's ``__init__`` (an ``object.__setattr__`` per field) took 1.9 us,
-    about a quarter of what rating an on-demand event costs; a named tuple 0.9 (both with the
-    event time parsed).
-    """
+    """One usage event as metering sees it. Token counts are the engine's. A named tuple: ingest
+    builds one per event, and a frozen dataclass's ``__init__`` took 1.9 us of it, this 0.9."""
 
     request_id: str
     org_id: int

@@ -1,4 +1,11 @@
-"""Reads of the plans app: what is in force, what a customer holds, what is left of it."""
+"""Reads of the plans app: what is in force, what a customer holds, what is left of it.
+
+Length: every read of the app is here (STYLE.md), the querysets admission compiles included
+(``plans.admission.loading`` builds its token-plan reads from ``token_plan_period``,
+``token_plan_window_usage`` and ``credit_packs_in_force``, and computes the status with
+``token_plan_status_of`` as ``token_plan_status`` does); split, a read and the status it feeds
+would sit in two modules.
+"""
 
 from __future__ import annotations
 
