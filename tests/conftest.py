@@ -168,13 +168,22 @@ def stripe_webhook_inbox(localstripe_url):
 
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker):
-    """Before the test database is dropped, end sessions that threads or children left open."""
+    """Before the test database is dropped, end sessions that threads or children left open.
+
+    New connections are refused first: a thread that reconnected between the terminations and
+    the drop (a background job's next turn) made the drop fail ("being accessed by other
+    users"), and each such run left its test database behind on the server.
+    """
     yield
-    with django_db_blocker.unblock(), connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
+    name = connection.settings_dict["NAME"]
+    with django_db_blocker.unblock():
+        connection.close()
+        # from the server's maintenance database, as Django's own drop runs
+        with connection.creation._nodb_cursor() as cursor:
+            cursor.execute(f"ALTER DATABASE {connection.ops.quote_name(name)} "
+                           "ALLOW_CONNECTIONS false")
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE datname = %s AND pid <> pg_backend_pid()", [name])
 
 
 @pytest.fixture
