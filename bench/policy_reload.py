@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.invoice_run import bench_django, drop_database, log
+from bench.procs import process_cpu_seconds
 
 
 def _token_plan():
@@ -104,11 +105,6 @@ def build(orgs: int, token_plan_every: int) -> list[dict[str, int]]:
     return keys
 
 
-def _backend_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--orgs", type=int, default=1000)
@@ -137,9 +133,9 @@ def main() -> None:
         backend = cur.fetchone()[0]
 
     def one_way() -> tuple[float, float, list]:
-        cpu, pg = time.process_time(), _backend_cpu_s(backend)
+        cpu, pg = time.process_time(), process_cpu_seconds(backend)
         policies = [quota_policy_load(**k, model="bench-model") for k in keys]
-        return time.process_time() - cpu, _backend_cpu_s(backend) - pg, policies
+        return time.process_time() - cpu, process_cpu_seconds(backend) - pg, policies
 
     one_way()  # warm: compiled SQL, the pricing read, the connection's catalog caches
     compiled = [0.0, 0.0]

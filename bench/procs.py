@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -10,16 +9,15 @@ from pathlib import Path
 
 def cpu_seconds(procs: list[subprocess.Popen]) -> float:
     """Return the user + system CPU the processes (not their children) have used."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return sum(process_cpu_seconds(proc.pid) for proc in procs)
 
 
-def _ticks(pid: str) -> int | None:
+def process_cpu_seconds(pid: int | str) -> float:
+    """Return one process's user + system CPU so far (0 when it is gone)."""
+    return (_ticks(pid) or 0) / os.sysconf("SC_CLK_TCK")
+
+
+def _ticks(pid: int | str) -> int | None:
     """Return a process's user + system CPU in clock ticks, None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
