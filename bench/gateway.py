@@ -246,7 +246,7 @@ def main() -> None:
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+         "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log",
          "--log-level", "warning"], cwd=ROOT, start_new_session=True,
         env={**os.environ, "DEBUG": "0"})  # as in production
     gw = f"http://127.0.0.1:{port}"

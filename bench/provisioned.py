@@ -250,7 +250,7 @@ def start_gateway(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+         "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log",
          "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
     gw = f"http://127.0.0.1:{port}"
     for _ in range(150):

@@ -204,7 +204,7 @@ def start_gateways(env: Env, n: int) -> tuple[list[subprocess.Popen], list[str]]
         port = free_port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-             "127.0.0.1", "--port", str(port), "--lifespan", "off", "--no-access-log",
+             "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log",
              "--log-level", "warning"], cwd=ROOT, env=env.child(),
             stdout=open(env.logs / f"gateway-{n}-{i}.log", "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT, start_new_session=True))

@@ -17,7 +17,7 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "billing_platform.settings")
 django_application = get_asgi_application()
 
-from billing_platform.gateway.asgi import GatewayASGI  # noqa: E402
+from billing_platform.gateway.asgi import GatewayASGI, lifespan  # noqa: E402
 
 gateway_application = GatewayASGI()
 
@@ -25,6 +25,8 @@ gateway_application = GatewayASGI()
 async def application(scope, receive, send):
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
         return await gateway_application(scope, receive, send)
+    if scope["type"] == "lifespan":  # Django serves none: start-up and shutdown are ours
+        return await lifespan(receive, send)
     return await django_application(scope, receive, send)
 
 # The cyclic garbage collector, tuned for a process that serves requests. Start-up leaves about

@@ -120,7 +120,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             # N processes on one socket (uvicorn's supervisor restarts one that dies); what
             # each caches stays correct across them: docs/deploy.md, "Many gateway processes"
             "web": [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application",
-                    "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "off",
+                    "--host", E.WEB_HOST, "--port", str(E.WEB_PORT), "--lifespan", "on",
                     "--workers", str(args.web_processes),
                     "--no-access-log" if args.quiet else "--access-log"],
             "worker": [*celery, "worker", "-Q",

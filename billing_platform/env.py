@@ -253,6 +253,10 @@ QUOTA_POLICY_TTL_S: float = env.float("TOLLGATE_QUOTA_POLICY_TTL_S", default=2.0
 # TOLLGATE_FLEET_MAX_STALE_S (engine_adapter/conf.py).
 QUOTA_POLICY_MAX_STALE_S: float = env.float("TOLLGATE_QUOTA_POLICY_MAX_STALE_S",
                                             default=300.0)
+# The most requests one quota lease may take (plans/admission/lease.py): a busy key's
+# admissions are decided in the gateway process from a share of its limits; 0 turns leases
+# off (every admission a Redis script step).
+QUOTA_LEASE_MAX: int = env.int("TOLLGATE_QUOTA_LEASE_MAX", default=256)
 
 # Budget-alert webhooks (plans/webhooks.py). Customers' URLs may not reach private, loopback,
 # link-local (cloud metadata) or other non-public addresses unless this allows them (a

@@ -58,9 +58,14 @@ def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]
             outcome = "rejected"
             raise
         finally:
-            _ADMISSION_BY_OUTCOME[outcome].observe(time.perf_counter() - started)
+            admission_observed(outcome, time.perf_counter() - started)
 
     return wrapper
+
+
+def admission_observed(outcome: str, seconds: float) -> None:
+    """Observe one admission's duration under its outcome (admitted, rejected, error)."""
+    _ADMISSION_BY_OUTCOME[outcome].observe(seconds)
 
 
 def budget_webhook_counted(outcome: str) -> None:

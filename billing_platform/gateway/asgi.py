@@ -195,3 +195,25 @@ class GatewayASGI:
                              request.method, request.path, settings.GATEWAY_SEND_TIMEOUT_S)
                     _drop_connection(send)
                     await asyncio.sleep(0)  # uvicorn sees the connection lost before we return
+
+
+async def lifespan(receive: Any, send: Any) -> None:
+    """Serve the ASGI lifespan protocol: at shutdown (after uvicorn has let the requests in
+    flight finish), give back the quota leases this process holds, so that what they hold
+    unused is counted and reserved no more (a process that dies without it leaves its leases
+    to expire, as a crashed request's reservation does)."""
+    from plans import admission  # the web process's Django is set up by now
+
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            try:
+                given_back = await admission.aclose_leases()
+                if given_back:
+                    log.info("gave back %d quota leases at shutdown", given_back)
+            except Exception as exc:  # Redis down: they expire on their own
+                log.warning("quota leases not given back at shutdown: %r", exc)
+            await send({"type": "lifespan.shutdown.complete"})
+            return

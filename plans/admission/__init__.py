@@ -3,6 +3,8 @@
 Rate limits (RPM/TPM per key, project, org), hard budgets (a worst-case reservation, settled
 to the actual cost), a blocking token plan's period and rolling window, and provisioned
 capacity are checked and taken by one Lua script, so gateway processes never race each other.
+A busy key far from its limits takes a share of them in one such step (a lease) and its
+requests are admitted from it in the gateway process.
 
 The package, in the order a request meets it:
 
@@ -11,6 +13,7 @@ The package, in the order a request meets it:
 - ``loading``: the policy of a (key, model) read from PostgreSQL, and a key's limits.
 - ``decision``: estimates, the scripts' arguments, ``Ticket``, headers and 429 texts. No IO.
 - ``scripts``: all the Lua.
+- ``lease``: a busy policy's share of its limits, held and handed out by the process.
 - ``runtime``: the reloading policy cache, the batcher, and the async API the gateway calls
   (``apolicy``, ``aadmit``, ``asettle``, ``apeek_headers``).
 
@@ -59,6 +62,7 @@ from plans.admission.runtime import (
     POLICY_TTL_S,
     Limits,
     aadmit,
+    aclose_leases,
     alimits,
     apeek_headers,
     apolicy,
@@ -70,7 +74,8 @@ __all__ = [
     "ADMIT_LUA", "DEFAULT_USAGE_TIER", "MAX_BATCH", "MICRO", "PEEK_LUA", "POLICY_STALE_S",
     "POLICY_TTL_S", "PRELUDE_LUA", "PURGE_LUA", "RESERVATION_TTL_MS", "SPEND_CODES", "STEP_LUA",
     "USAGE_TIERS", "BudgetRule", "EndUserLimits", "Limits", "ProvisionedRule", "QuotaExceeded",
-    "QuotaPolicy", "Ticket", "WindowRule", "aadmit", "actual_micro", "admit_op", "alimits",
+    "QuotaPolicy", "Ticket", "WindowRule", "aadmit", "aclose_leases", "actual_micro",
+    "admit_op", "alimits",
     "apeek_headers", "apolicy", "asettle", "budget_key", "credits_micro", "end_user_digest",
     "end_user_rule",
     "explain", "from_micro", "limits_of", "month_tag", "prompt_token_bound", "prov_key",

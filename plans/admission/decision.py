@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
+from typing import Any
 
 from plans.admission.policy import (
     MICRO,
@@ -200,6 +201,9 @@ class Ticket:
     admitted_ms: int = 0  # Redis's clock at admission
     settled: bool = False
     _headers: dict[str, str] | None = field(default=None, repr=False)
+    # admitted from a lease (``lease.Lease``) and what it holds of it per budget: settled there
+    lease: Any = field(default=None, repr=False)
+    held: tuple[int, ...] = ()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -220,14 +224,9 @@ class Ticket:
         """Return the settlement's operation (``scripts.ADMIT_LUA``'s ``settle``)."""
         p = self.policy
         prov = p.provisioned if self.capacity == "provisioned" else None
-        cost = actual_micro(p.pricing, tier=self.tier, zone=self.zone,
-                            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                            completion_tokens=completion_tokens)
-        dyn = [self.admitted_ms, self.estimate_tokens - prompt_tokens - completion_tokens]
-        for rule in p.budgets:
-            dyn.append(cost if rule.coefficients is None else credits_micro(
-                rule.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                completion_tokens=completion_tokens))
+        dyn = [self.admitted_ms, self.estimate_tokens - prompt_tokens - completion_tokens,
+               *budget_amounts(p, tier=self.tier, zone=self.zone, prompt_tokens=prompt_tokens,
+                               cached_tokens=cached_tokens, completion_tokens=completion_tokens)]
         if p.window is not None:
             dyn.append(credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
                                      cached_tokens=cached_tokens,
@@ -241,9 +240,29 @@ class Ticket:
             bulk(self.reservation) + ints(dyn))
 
 
-def _admit_frame(p: QuotaPolicy, month: str) -> Frame:
-    """Return the policy's admission frame for budget keys of ``month`` (cached on it)."""
-    hit: tuple[str, Frame] | None = p.__dict__.get("_admit_frame")
+def budget_amounts(p: QuotaPolicy, *, tier: str, zone: str, prompt_tokens: int,
+                   cached_tokens: int, completion_tokens: int, worst: bool = False
+                   ) -> list[int]:
+    """Return what these counts cost under each budget rule of ``p`` (micro-units of money, or
+    micro-credits of a plan's), or with ``worst`` what a request with these bounds may cost."""
+    if not p.budgets:
+        return []
+    if worst:
+        cost = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                                max_output=completion_tokens)
+    else:
+        cost = actual_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                            cached_tokens=cached_tokens, completion_tokens=completion_tokens)
+    return [cost if b.coefficients is None else credits_micro(
+        b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+        completion_tokens=completion_tokens) for b in p.budgets]
+
+
+def admit_frame(p: QuotaPolicy, month: str, kind: str = "a") -> Frame:
+    """Return the policy's admission frame for budget keys of ``month`` (cached on it); with
+    ``kind`` "l" a lease's (one more request value: how many requests it wants)."""
+    attr = "_admit_frame" if kind == "a" else "_lease_frame"
+    hit: tuple[str, Frame] | None = p.__dict__.get(attr)
     if hit is not None and hit[0] == month:
         return hit[1]
     rate_keys, rate_argv = p.static_admit
@@ -260,9 +279,9 @@ def _admit_frame(p: QuotaPolicy, month: str) -> Frame:
         r = p.provisioned
         keys.append(prov_key(p.org_id, r.reservation_id))
         static += [r.tokens_per_minute, int(r.reject_overflow)]
-    frame = Frame("a", keys, static, 2 + len(p.budgets) + int(p.window is not None)
-                  + int(p.provisioned is not None))
-    p.__dict__["_admit_frame"] = (month, frame)
+    frame = Frame(kind, keys, static, 2 + (kind == "l") + len(p.budgets)
+                  + int(p.window is not None) + int(p.provisioned is not None))
+    p.__dict__[attr] = (month, frame)
     return frame
 
 
@@ -303,14 +322,9 @@ def admit_op(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
     (``scripts.ADMIT_LUA``'s ``admit``)."""
     p = policy
     month = month or month_tag()
-    dyn = [prompt_tokens + max_output]
-    if p.budgets:
-        worst = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
-                                 max_output=max_output)
-        for b in p.budgets:
-            dyn.append(worst if b.coefficients is None else credits_micro(
-                b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=0,
-                completion_tokens=max_output))
+    dyn = [prompt_tokens + max_output, *budget_amounts(
+        p, tier=tier, zone=zone, prompt_tokens=prompt_tokens, cached_tokens=0,
+        completion_tokens=max_output, worst=True)]
     if p.window is not None:
         dyn.append(credits_micro(p.window.coefficients, prompt_tokens=prompt_tokens,
                                  cached_tokens=0, completion_tokens=max_output))
@@ -318,7 +332,7 @@ def admit_op(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
     if p.provisioned is not None:
         norm = math.ceil(prompt_tokens + max_output * p.provisioned.output_burndown)
         dyn.append(norm)
-    return _admit_frame(p, month).op(bulk(request_id) + ints(dyn)), month, norm
+    return admit_frame(p, month).op(bulk(request_id) + ints(dyn)), month, norm
 
 
 def explain(policy: QuotaPolicy, reason: str, raw_headers: Sequence[RedisValue], retry_ms: int,

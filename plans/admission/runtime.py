@@ -31,10 +31,11 @@ from billing_platform.redis_conn import (
     get_aredis,
     get_pipelined,
 )
-from plans.admission import loading, scripts
+from plans.admission import lease, loading, scripts
 from plans.admission.decision import (
     Ticket,
     admit_op,
+    budget_amounts,
     explain,
     rate_headers,
     spend_limit_error,
@@ -48,7 +49,7 @@ from plans.admission.policy import (
     rule_key,
 )
 from plans.admission.wire import Op, evalsha
-from plans.metrics import POLICY_RELOAD_FAILURES, timed_admission
+from plans.metrics import POLICY_RELOAD_FAILURES, admission_observed, timed_admission
 
 log = logging.getLogger(__name__)
 
@@ -320,16 +321,33 @@ async def _end_user_rule(policy: QuotaPolicy, rule: BudgetRule) -> BudgetRule:
         organization_id=policy.org_id, rule=rule)
 
 
-@timed_admission
 async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
                  prompt_tokens: int, max_output: int, end_user: str | None = None) -> Ticket:
     """Admit one request or raise ``QuotaExceeded``; the returned ticket must be settled.
 
     ``end_user`` is the request's ``user``: an organization's per-end-user budget limits it
-    as one more hard budget, in the same atomic step."""
-    rule = policy.end_user_limit(end_user)
-    if rule is not None:
-        policy = policy.with_rule(await _end_user_rule(policy, rule))
+    as one more hard budget, in the same atomic step. A busy policy's requests are admitted
+    from its lease in the process (``lease``) while it covers them."""
+    if lease.leasable(policy) and policy.end_user_limit(end_user) is None:
+        started = time.perf_counter()
+        worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                               cached_tokens=0, completion_tokens=max_output, worst=True)
+        ticket = lease.take(policy, request_id, tier, zone, prompt_tokens + max_output, worst,
+                            _batcher().send)
+        if ticket is not None:
+            admission_observed("admitted", time.perf_counter() - started)
+            return ticket
+    return await _admit(policy, request_id=request_id, tier=tier, zone=zone,
+                        prompt_tokens=prompt_tokens, max_output=max_output, end_user=end_user)
+
+
+@timed_admission
+async def _admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
+                 prompt_tokens: int, max_output: int, end_user: str | None) -> Ticket:
+    """Admit a request its policy's lease did not: from a new lease, or in Redis alone."""
+    own_rule = policy.end_user_limit(end_user)
+    if own_rule is not None:
+        policy = policy.with_rule(await _end_user_rule(policy, own_rule))
     for rule in policy.budgets:
         if rule.suspended:
             raise spend_limit_error(rule, {"retry-after": "60"})
@@ -337,9 +355,17 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         raise QuotaExceeded(f"Your token plan's credits are exhausted: "
                             f"{policy.plan_exhausted}. Buy a credit pack or wait.",
                             code="plan_quota_exhausted", headers={"retry-after": "60"})
+    batcher = _batcher()
+    if own_rule is None and lease.leasable(policy):
+        worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
+                               cached_tokens=0, completion_tokens=max_output, worst=True)
+        ticket = await lease.acquire(policy, request_id, tier, zone, prompt_tokens + max_output,
+                                     worst, batcher.call, batcher.send)
+        if ticket is not None:
+            return ticket
     op, month, norm = admit_op(policy, request_id=request_id, tier=tier, zone=zone,
                                prompt_tokens=prompt_tokens, max_output=max_output)
-    raw = await _batcher().call(op)
+    raw = await batcher.call(op)
     if raw[0] != 1:
         raise explain(policy, raw[1], raw[4:10], int(raw[2]),
                       estimate=prompt_tokens + max_output)
@@ -357,12 +383,21 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
     if ticket.settled:
         return
     ticket.settled = True
+    if ticket.lease is not None:  # settled in the process (``lease``)
+        ticket.lease.settle(ticket, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                            completion_tokens=completion_tokens, send=_batcher().send)
+        return
     op = ticket.settle_op(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                           completion_tokens=completion_tokens)
     if wait:
         await _batcher().call(op)
     else:
         _batcher().send(op)
+
+
+async def aclose_leases() -> int:
+    """Give back every quota lease this process holds (the web process's shutdown)."""
+    return await lease.aclose(_batcher().call)
 
 
 # --- read-only state for answers that were not admitted ------------------------------------

@@ -23,6 +23,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sec = math.floor(now / 1000)
 local LONG = 40 * 86400000
 local RATE_TTL = 120000
+-- a lease takes at most 1/LEASE_SHARE of what a limit has left; one taken in the last
+-- LEASE_MIN_MS of a second counts its requests in the next (``plans.admission.lease``)
+local LEASE_SHARE = 8
+local LEASE_MIN_MS = 50
 
 local function int(x) return string.format('%d', x) end
 local secf = int(sec)  -- the current second's bucket (a field name)
@@ -80,12 +84,27 @@ local function bucket_level(h_t, h_ts, cap)
   if not (h_t and h_ts) then return cap end
   return math.min(cap, tonumber(h_t) + (now - tonumber(h_ts)) * cap / 60000)
 end
+
+-- Give ``refund`` tokens back to a token bucket of capacity ``cap`` taken from at ``admitted``.
+local function refund(key, cap, amount, admitted)
+  if amount > 0 and now - admitted < RATE_TTL - 20000 then
+    -- The bucket's key outlives its admission by RATE_TTL: it exists. Adding to the stored
+    -- level equals adding to the refilled one, as levels are capped when read.
+    redis.call('HINCRBYFLOAT', key, 't', amount)
+  elseif amount ~= 0 then
+    local h = redis.call('HMGET', key, 't', 'ts')
+    if h[1] then
+      redis.call('HSET', key, 't', math.min(cap, bucket_level(h[1], h[2], cap) + amount),
+                 'ts', now)
+    end
+  end
+end
 """
 
 ADMIT_LUA = r"""
 -- Budgets and the token plan's window: the first that this request's worst case would
 -- overrun, and what each would take.
-local function spend_check(ki, ai, di, n_bud, has_win)
+local function spend_check(ki, ai, di, n_bud, has_win, lease)
   local bud, win = {}, nil
   for i = 1, n_bud do
     local key, o = KEYS[ki + i - 1], ai + (i - 1) * 3
@@ -93,6 +112,9 @@ local function spend_check(ki, ai, di, n_bud, has_win)
     local b = redis.call('HMGET', key, 'spent', 'reserved')
     local spent, reserved = tonumber(b[1] or ARGV[o + 1]), tonumber(b[2] or '0')
     bud[i] = {key, hard and worst or 0, not b[1], ARGV[o + 1]}
+    if lease and hard and worst > 0 then
+      lease.n = math.min(lease.n, math.floor((limit - spent - reserved) / (LEASE_SHARE * worst)))
+    end
     if hard and spent + reserved + worst > limit then
       if spent + worst > limit then return 'budget:' .. i, -1, bud, win end
       return 'budget:' .. i, 1000, bud, win
@@ -140,9 +162,13 @@ end
 -- KEYS: res, rate keys, budget keys, window key?, provisioned key?
 -- ARGV, the policy's: ttl, n_rate, n_bud, has_prov, has_win; per rate key: rpm (-1: none),
 --   tpm (-1: none); per budget: limit, seed, hard; window: limit, ms, seed; provisioned:
---   tokens per minute, reject overflow; then the request's: request id, estimate, per budget
---   its worst case, window: worst case, provisioned: need
-local function admit(ki, ai)
+--   tokens per minute, reject overflow; then the request's: request id, estimate, (a lease:
+--   requests wanted), per budget its worst case, window: worst case, provisioned: need
+-- A lease (``leasing``: no window, no provisioned) takes ``n`` requests' worth at once: at
+-- most 1/LEASE_SHARE of what each limit has left, at least 2, or it is refused ('lease');
+-- the answer's 13th value is ``n``, its 12th the start of the second its requests count in
+-- (this one's, or the next one's in this one's last LEASE_MIN_MS).
+local function admit(ki, ai, leasing)
   local res = KEYS[ki]
   local ttl, n_rate, n_bud = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
   local has_prov, has_win = ARGV[ai + 3] == '1', ARGV[ai + 4] == '1'
@@ -150,6 +176,14 @@ local function admit(ki, ai)
   local di = ai + 2 * n_rate + 3 * n_bud + (has_win and 3 or 0) + (has_prov and 2 or 0)
   local rid, est = ARGV[di], tonumber(ARGV[di + 1])
   di = di + 2
+  local lease, bucketf, stamp = nil, secf, now
+  if leasing then
+    lease = {n = tonumber(ARGV[di])}
+    di = di + 1
+    -- near the end of a second, the lease's requests count in the next one (a second later
+    -- out of the window: never early), and it lives until that one ends
+    if now - sec_ms > 1000 - LEASE_MIN_MS then bucketf, stamp = int(sec + 1), sec_ms + 1000 end
+  end
 
   -- 1. check everything; write nothing yet (but drop request buckets that left the window)
   local reject, retry, req_retry = false, 0, nil
@@ -159,7 +193,7 @@ local function admit(ki, ai)
   for i = 1, n_rate do
     local key, limit, cap = KEYS[ki], tonumber(ARGV[ai]), tonumber(ARGV[ai + 1])
     ki, ai = ki + 1, ai + 2
-    local h = redis.call('HMGET', key, 'n', 'lo', secf, 't', 'ts')
+    local h = redis.call('HMGET', key, 'n', 'lo', bucketf, 't', 'ts')
     local ts = tonumber(h[5])
     -- the key's TTL is renewed by the first admission of each second (it outlives the
     -- second's bucket by far), not by every admission
@@ -170,6 +204,7 @@ local function admit(ki, ai)
       if lo < sec - 60 then n, lo = window(key, n, lo, true) end
       local reset = (lo + 61) * 1000 - now
       if n >= limit and req_retry == nil then req_retry = reset end
+      if lease then lease.n = math.min(lease.n, math.floor((limit - n) / LEASE_SHARE)) end
       local rem = limit - n - 1
       if rem < 0 then rem = 0 end
       if rem_req < 0 or rem < rem_req then lim_req, rem_req, reset_req = limit, rem, reset end
@@ -182,6 +217,9 @@ local function admit(ki, ai)
       if h[4] and ts then
         level = tonumber(h[4]) + (now - ts) * cap / 60000
         if level > cap then level = cap end
+      end
+      if lease and est > 0 then
+        lease.n = math.min(lease.n, math.floor(level / (LEASE_SHARE * est)))
       end
       if est > cap then
         if not reject then reject = 'too_large'; retry = 0 end
@@ -204,10 +242,10 @@ local function admit(ki, ai)
   local bud, win = {}, nil
   if n_bud > 0 or has_win then
     local why, wait
-    why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win)
+    why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win, lease)
     -- Reservations of crashed requests only matter when they would refuse this one.
     if why and not reject and release_expired(res) > 0 then
-      why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win)
+      why, wait, bud, win = spend_check(ki, ai, di, n_bud, has_win, lease)
     end
     if why and not reject then reject, retry = why, wait end
     ki = ki + n_bud + (has_win and 1 or 0)
@@ -230,28 +268,38 @@ local function admit(ki, ai)
     end
   end
 
+  local cnt = 1
+  if lease then
+    cnt = lease.n
+    if cnt < 2 or reject then reject, retry = 'lease', 1000 - (now - sec_ms) end
+  end
   if reject then
     if rem_req >= 0 and reject ~= 'requests' then rem_req = rem_req + 1 end
     return {0, reject, retry, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok,
             reset_tok, ''}
   end
 
-  -- 2. all passed: take everything
+  -- 2. all passed: take everything (a lease: ``cnt`` requests' worth)
+  if cnt > 1 then
+    est = est * cnt
+    for _, b in ipairs(bud) do b[2] = b[2] * cnt end
+  end
   local renewed = false
   for _, r in ipairs(rate) do
     -- one HSET per key, no table to build (numbers: Redis writes integers without a point)
     if r[2] and r[5] then
       if r[3] then
-        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 't', r[5] - est, 'ts', now,
-                   'lo', r[3])
+        redis.call('HSET', r[1], 'n', r[2] + cnt, bucketf, r[4] + cnt, 't', r[5] - est,
+                   'ts', now, 'lo', r[3])
       else
-        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 't', r[5] - est, 'ts', now)
+        redis.call('HSET', r[1], 'n', r[2] + cnt, bucketf, r[4] + cnt, 't', r[5] - est,
+                   'ts', now)
       end
     elseif r[2] then
       if r[3] then
-        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1, 'lo', r[3])
+        redis.call('HSET', r[1], 'n', r[2] + cnt, bucketf, r[4] + cnt, 'lo', r[3])
       else
-        redis.call('HSET', r[1], 'n', r[2] + 1, secf, r[4] + 1)
+        redis.call('HSET', r[1], 'n', r[2] + cnt, bucketf, r[4] + cnt)
       end
     elseif r[5] then
       redis.call('HSET', r[1], 't', r[5] - est, 'ts', now)
@@ -284,7 +332,7 @@ local function admit(ki, ai)
     redis.call('HSET', prov[1], 't', prov[2], 'ts', now); redis.call('PEXPIRE', prov[1], RATE_TTL)
   end
   return {1, '', 0, capacity, lim_req, rem_req, reset_req, lim_tok, rem_tok, reset_tok, member,
-          now}
+          stamp, cnt}
 end
 
 -- KEYS: res, budget keys, window key?, token bucket keys (the TPM scopes'), provisioned key?
@@ -336,34 +384,73 @@ local function settle(ki, ai)
     if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'reserved', 0 - amt) end
   end
   for i = 1, n_tok + (has_prov and 1 or 0) do
-    local key, cap, refund = KEYS[ki], tonumber(ARGV[ci + i - 1]), unused
+    local amount = unused
+    if i > n_tok then amount = tonumber(ARGV[ai]) end  -- provisioned: its own refund
+    refund(KEYS[ki], tonumber(ARGV[ci + i - 1]), amount, admitted)
     ki = ki + 1
-    if i > n_tok then refund = tonumber(ARGV[ai]) end  -- provisioned: its own refund
-    if refund > 0 and now - admitted < RATE_TTL - 20000 then
-      -- The bucket's key outlives its admission by RATE_TTL: it exists. Adding to the stored
-      -- level equals adding to the refilled one, as levels are capped when read.
-      redis.call('HINCRBYFLOAT', key, 't', refund)
-    elseif refund ~= 0 then
-      local h = redis.call('HMGET', key, 't', 'ts')
-      if h[1] then
-        redis.call('HSET', key, 't', math.min(cap, bucket_level(h[1], h[2], cap) + refund),
-                   'ts', now)
+  end
+  return released
+end
+
+-- The end of a lease (``plans.admission.lease``): what it did not hand out goes back, and the
+-- spend of its settled requests is added. With ``kept``, the requests still in flight keep
+-- their reservations under that member (same expiry); a final giveback releases it.
+-- KEYS: res, rate keys, budget keys (the lease's admission's)
+-- ARGV, the policy's: n_rate, n_bud; per rate key: rpm (-1: none), tpm (-1: none); then the
+--   lease's: member, kept member ('' when none), admitted at (ms), requests unused, tokens
+--   unused, per budget: actual spend, amount kept
+local function giveback(ki, ai)
+  local res = KEYS[ki]
+  local n_rate, n_bud = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1])
+  local ri, di = ai + 2, ai + 2 + 2 * n_rate
+  local member, kept, admitted = ARGV[di], ARGV[di + 1], tonumber(ARGV[di + 2])
+  local reqs, toks = tonumber(ARGV[di + 3]), tonumber(ARGV[di + 4])
+  local held, score = {}, redis.call('ZSCORE', res, member)
+  if score then  -- not yet released as expired
+    redis.call('ZREM', res, member)
+    for key, amt in string.gmatch(member, ' (%S+) (%S+)') do held[key] = tonumber(amt) end
+    if kept ~= '' then redis.call('ZADD', res, score, kept) end
+  end
+  -- requests counted but not used: out of the second they were counted in, while it counts
+  local field = int(math.floor(admitted / 1000))
+  for i = 1, n_rate do
+    local key, rpm, tpm = KEYS[ki + i], tonumber(ARGV[ri]), tonumber(ARGV[ri + 1])
+    ri = ri + 2
+    if rpm >= 0 and reqs > 0 and redis.call('HEXISTS', key, field) == 1 then
+      redis.call('HINCRBY', key, field, 0 - reqs)
+      redis.call('HINCRBY', key, 'n', 0 - reqs)
+    end
+    if tpm >= 0 then refund(key, tpm, toks, admitted) end
+  end
+  ki, ai = ki + 1 + n_rate, di + 5
+  for i = 1, n_bud do
+    local key, actual, keep = KEYS[ki + i - 1], tonumber(ARGV[ai]), tonumber(ARGV[ai + 1])
+    ai = ai + 2
+    local back = score and (held[key] or 0) - keep or 0
+    if actual > 0 or back ~= 0 then
+      local b = redis.call('HMGET', key, 'spent', 'reserved')
+      if b[1] then  -- a missing key is seeded from PostgreSQL at the next admission
+        redis.call('HSET', key, 'spent', int(tonumber(b[1]) + actual),
+                   'reserved', int(tonumber(b[2] or '0') - back))
       end
     end
   end
-  return released
+  return 1
 end
 """
 
 # One call runs a batch of admissions and settlements, in order, each on its own: ARGV[1] is
-# the count, then per operation its kind ('a' | 's'), its KEYS count and ARGV count, and its
+# the count, then per operation its kind ('a': admit, 's': settle, 'l': a lease's admission,
+# 'r': a lease's giveback), its KEYS count and ARGV count, and its
 # ARGV; KEYS are the operations' keys in order. One failing operation (an error) answers an
 # error in its place and leaves the others alone.
 STEP_LUA = PRELUDE_LUA + ADMIT_LUA + r"""
+local OPS = {a = admit, s = settle, r = giveback,
+             l = function(ki, ai) return admit(ki, ai, true) end}
 local out, ki, ai = {}, 1, 2
 for i = 1, tonumber(ARGV[1]) do
   local kind, nk, na = ARGV[ai], tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
-  local ok, r = pcall(kind == 'a' and admit or settle, ki, ai + 3)
+  local ok, r = pcall(OPS[kind], ki, ai + 3)
   if ok then
     out[i] = r
   else

@@ -59,7 +59,7 @@ def start_gateway(tmp_path: Path, env: dict[str, str] | None = None, *,
     log_path = tmp_path / f"gateway-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "billing_platform.asgi:application", "--host",
-         host, "--port", str(port), "--lifespan", "off", "--no-access-log"],
+         host, "--port", str(port), "--lifespan", "on", "--no-access-log"],
         cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
         env={**os.environ, "DATABASE_URL": test_database_url(),
              "TOLLGATE_FLEET_REFRESH_S": "0.2", **(env or {})},
