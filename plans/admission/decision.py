@@ -245,7 +245,8 @@ def budget_amounts(p: QuotaPolicy, *, tier: str, zone: str, prompt_tokens: int,
                    ) -> list[int]:
     """Return what these counts cost under each budget rule of ``p`` (micro-units of money, or
     micro-credits of a plan's), or with ``worst`` what a request with these bounds may cost."""
-    if not p.budgets:
+    rules = p.budgets
+    if not rules:
         return []
     if worst:
         cost = worst_case_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
@@ -253,6 +254,8 @@ def budget_amounts(p: QuotaPolicy, *, tier: str, zone: str, prompt_tokens: int,
     else:
         cost = actual_micro(p.pricing, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
                             cached_tokens=cached_tokens, completion_tokens=completion_tokens)
+    if len(rules) == 1 and rules[0].coefficients is None:  # the common case: one money budget
+        return [cost]
     return [cost if b.coefficients is None else credits_micro(
         b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         completion_tokens=completion_tokens) for b in p.budgets]

@@ -14,8 +14,9 @@ What it keeps exact:
 
 - **Never over a limit.** Whatever a lease holds is counted or reserved in Redis while it
   lives, so every process's admissions together never pass a limit; a lease may take at most
-  1/8 of what each limit has left (``LEASE_SHARE`` in the Lua), so near a limit leases shrink
-  to nothing and every request is decided by Redis alone, as before.
+  1/8 of what each limit has left and at least 8 requests' worth (``LEASE_SHARE``,
+  ``LEASE_MIN`` in the Lua), so within 64 requests of a limit's end (and for any limit under
+  64) every request is decided by Redis alone, as before.
 - **Requests are counted in their own second.** A lease lives at most until the end of the
   Redis second its requests count in: the one it was granted in, or in that second's last
   50 ms the next one (a request then leaves the window a little later, never earlier).
@@ -24,7 +25,8 @@ What it keeps exact:
 - **One process agrees with itself exactly.** A lease that cannot cover a request is given back
   before that request goes to Redis alone (the batcher keeps their order), so a process refuses
   only what Redis would refuse; what another process's live lease holds may make a request wait
-  (a 429) up to a second early. ``TOLLGATE_QUOTA_LEASE_MAX=0`` turns leases off.
+  (a 429, ``retry-after: 1``) up to a second early, only when a limit is used up within the
+  second that lease was taken in. ``TOLLGATE_QUOTA_LEASE_MAX=0`` turns leases off.
 - **Requests in flight keep their reservations.** A lease given back with requests still in
   flight keeps their worst cases reserved under a new member of the reservation set (same
   expiry); as they settle, their spend is added and their reservations released within
@@ -42,6 +44,7 @@ arrive within ``DEMAND_S``, for a second's worth at that rate (at most ``LEASE_M
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 import weakref
@@ -55,7 +58,8 @@ from plans.admission.policy import QuotaPolicy, month_tag
 from plans.admission.wire import Frame, Op, bulk, ints
 
 LEASE_MAX = settings.QUOTA_LEASE_MAX  # TOLLGATE_QUOTA_LEASE_MAX; 0: no leases
-LEASE_MIN_DEMAND = 8
+LEASE_MIN = 8  # the script's LEASE_MIN: no lease is smaller (a smaller LEASE_MAX: none at all)
+LEASE_MIN_DEMAND = 4
 DEMAND_S = 0.1
 # A lease's local deadline is this much before the end of its Redis second: the answer reaches
 # the process after the script ran, and a busy loop runs timers late.
@@ -64,7 +68,8 @@ DEADLINE_MARGIN_S = 0.01
 # (their spend reaches Redis; their reservations are released).
 FLUSH_S = 0.1
 
-Send = Callable[[Op], None]
+Send = Callable[[Op], None]  # queue a script operation nobody waits for
+Submit = Callable[[Op], "asyncio.Future[Any]"]  # queue one; the future of its answer
 # Leases not yet wholly given back (what ``aclose`` returns at shutdown).
 _live: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -217,7 +222,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
-        self.acquiring: asyncio.Future[None] | None = None
+        self.acquiring: asyncio.Future[Any] | None = None  # a lease admission's answer
         self.since = self.quiet_until = 0.0
         self.count = self.prev = 0
 
@@ -229,7 +234,7 @@ def leasable(p: QuotaPolicy) -> bool:
     hit: bool | None = p.__dict__.get("_leasable")
     if hit is None:
         hit = p.__dict__["_leasable"] = (
-            LEASE_MAX >= 2 and p.window is None and p.provisioned is None
+            LEASE_MAX >= LEASE_MIN and p.window is None and p.provisioned is None
             and not p.plan_exhausted and not any(b.suspended for b in p.budgets))
     return hit
 
@@ -259,20 +264,25 @@ def take(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: i
 
 
 async def acquire(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: int,
-                  worst: list[int], call: Callable[[Op], Any], send: Send) -> Ticket | None:
+                  worst: list[int], submit: Submit, send: Send) -> Ticket | None:
     """Take a lease for a busy policy (or wait for the one being taken) and admit the request
     from it; return None when the policy is not busy or no lease covers the request: then it
     goes to Redis alone."""
     slot: _Slot = policy.__dict__["_lease_slot"]
-    loop = asyncio.get_running_loop()
     for _attempt in range(3):
         if slot.acquiring is None:
             demand = max(slot.count, slot.prev)
             if demand < LEASE_MIN_DEMAND or time.monotonic() < slot.quiet_until:
                 return None
-            slot.acquiring = loop.create_task(_acquire(
-                policy, slot, month_tag(), estimate, worst,
-                min(LEASE_MAX, demand * round(1 / DEMAND_S)), call, send))
+            month, uid = month_tag(), f"lease_{uuid.uuid4().hex}"
+            want = min(LEASE_MAX, demand * round(1 / DEMAND_S))
+            future = submit(admit_frame(policy, month, "l").op(
+                bulk(uid) + ints([estimate, want, *worst])))
+            # The lease is recorded by the answer's callback, first of all that wait for it,
+            # whether or not this request is still there to take from it.
+            future.add_done_callback(functools.partial(
+                _granted, policy, slot, month, uid, estimate, worst, send))
+            slot.acquiring = future
         await asyncio.shield(slot.acquiring)
         lease = slot.lease
         if lease is not None:
@@ -284,29 +294,26 @@ async def acquire(policy: QuotaPolicy, request_id: str, tier: str, zone: str, es
     return None
 
 
-async def _acquire(policy: QuotaPolicy, slot: _Slot, month: str, estimate: int,
-                   worst: list[int], want: int, call: Callable[[Op], Any], send: Send) -> None:
-    """Take a lease for ``slot`` (or, refused, let the policy go to Redis request by request
-    until the refusal's retry time)."""
-    uid = f"lease_{uuid.uuid4().hex}"
-    try:
-        raw = await call(admit_frame(policy, month, "l").op(
-            bulk(uid) + ints([estimate, want, *worst])))
-        now = time.monotonic()
-        if raw[0] != 1:
-            slot.quiet_until = now + max(int(raw[2]), 1) / 1000
-            return
-        admitted_ms = int(raw[11])
-        lease = Lease(policy, month, uid, raw, estimate, worst,
-                      now + (1000 - admitted_ms % 1000) / 1000 - DEADLINE_MARGIN_S)
-        lease.timer = asyncio.get_running_loop().call_later(lease.deadline - now, lease.close,
-                                                            send)
-        slot.lease = lease
-    finally:
-        slot.acquiring = None
+def _granted(policy: QuotaPolicy, slot: _Slot, month: str, uid: str, estimate: int,
+             worst: list[int], send: Send, future: asyncio.Future[Any]) -> None:
+    """Record the lease a lease admission answered (or, refused, let the policy go to Redis
+    request by request until the refusal's retry time)."""
+    slot.acquiring = None
+    if future.cancelled() or future.exception() is not None:
+        return
+    raw = future.result()
+    now = time.monotonic()
+    if raw[0] != 1:
+        slot.quiet_until = now + max(int(raw[2]), 1) / 1000
+        return
+    admitted_ms = int(raw[11])
+    lease = Lease(policy, month, uid, raw, estimate, worst,
+                  now + (1000 - admitted_ms % 1000) / 1000 - DEADLINE_MARGIN_S)
+    lease.timer = asyncio.get_running_loop().call_later(lease.deadline - now, lease.close, send)
+    slot.lease = lease
 
 
-async def aclose(call: Callable[[Op], Any]) -> int:
+async def aclose(submit: Submit) -> int:
     """Give back every lease this process holds (at shutdown), waiting for Redis; return how
     many were given back."""
     ops: list[Op] = []
@@ -315,5 +322,5 @@ async def aclose(call: Callable[[Op], Any]) -> int:
             lease.close(ops.append)
         else:  # what its settled requests freed goes back now
             lease._return(ops.append)
-    await asyncio.gather(*(call(op) for op in ops))
+    await asyncio.gather(*(submit(op) for op in ops))
     return len(ops)

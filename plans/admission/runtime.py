@@ -174,10 +174,14 @@ class _Batcher:
         self.sha: str | None = None
 
     async def call(self, op: Op) -> Any:
+        return await self.submit(op)
+
+    def submit(self, op: Op) -> asyncio.Future[Any]:
+        """Queue an operation; return the future of its answer."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue(loop, op, future)
-        return await future
+        return future
 
     def send(self, op: Op) -> None:
         """Queue an operation nobody waits for: it runs in this process's next script call,
@@ -275,6 +279,9 @@ class _SlotBatcher:
     async def call(self, op: Op) -> Any:
         return await self._of(op).call(op)
 
+    def submit(self, op: Op) -> asyncio.Future[Any]:
+        return self._of(op).submit(op)
+
     def send(self, op: Op) -> None:
         self._of(op).send(op)
 
@@ -311,6 +318,12 @@ def _batcher() -> _Batcher | _SlotBatcher:
     return batcher
 
 
+def _send(op: Op) -> None:
+    """Queue an operation nobody waits for on the running loop's batcher (a lease's
+    giveback), looked up only when one is sent."""
+    _batcher().send(op)
+
+
 async def _end_user_rule(policy: QuotaPolicy, rule: BudgetRule) -> BudgetRule:
     """Return an end user's rule with its seed: read from PostgreSQL only when Redis holds
     no spend for that end user this month (one EXISTS per request that names an end user of
@@ -333,7 +346,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
                                cached_tokens=0, completion_tokens=max_output, worst=True)
         ticket = lease.take(policy, request_id, tier, zone, prompt_tokens + max_output, worst,
-                            _batcher().send)
+                            _send)
         if ticket is not None:
             admission_observed("admitted", time.perf_counter() - started)
             return ticket
@@ -360,7 +373,7 @@ async def _admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
                                cached_tokens=0, completion_tokens=max_output, worst=True)
         ticket = await lease.acquire(policy, request_id, tier, zone, prompt_tokens + max_output,
-                                     worst, batcher.call, batcher.send)
+                                     worst, batcher.submit, _send)
         if ticket is not None:
             return ticket
     op, month, norm = admit_op(policy, request_id=request_id, tier=tier, zone=zone,
@@ -385,7 +398,7 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
     ticket.settled = True
     if ticket.lease is not None:  # settled in the process (``lease``)
         ticket.lease.settle(ticket, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                            completion_tokens=completion_tokens, send=_batcher().send)
+                            completion_tokens=completion_tokens, send=_send)
         return
     op = ticket.settle_op(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                           completion_tokens=completion_tokens)
@@ -397,7 +410,7 @@ async def asettle(ticket: Ticket, *, prompt_tokens: int = 0, cached_tokens: int 
 
 async def aclose_leases() -> int:
     """Give back every quota lease this process holds (the web process's shutdown)."""
-    return await lease.aclose(_batcher().call)
+    return await lease.aclose(_batcher().submit)
 
 
 # --- read-only state for answers that were not admitted ------------------------------------

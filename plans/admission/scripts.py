@@ -12,6 +12,10 @@ Why Lua at all: a check followed by a separate write lets two gateway processes 
 check (budgets exceeded under concurrency, rate limits multiplied by the replica count). A
 script runs atomically inside Redis, so every gateway process shares one exact view. Key names
 and units are ``policy``'s.
+
+Length: the admission, the settlement and a lease's giveback (``lease``) are one script that
+shares its prelude and runs in one call; split over modules, each contract's two sides (what
+one operation writes and what the next one reads) would no longer sit together.
 """
 
 # The scripts share this prelude: Redis's clock in ms and s, and the reservation helpers.
@@ -23,9 +27,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sec = math.floor(now / 1000)
 local LONG = 40 * 86400000
 local RATE_TTL = 120000
--- a lease takes at most 1/LEASE_SHARE of what a limit has left; one taken in the last
--- LEASE_MIN_MS of a second counts its requests in the next (``plans.admission.lease``)
+-- a lease takes at most 1/LEASE_SHARE of what a limit has left, and at least LEASE_MIN
+-- requests' worth or none (so a limit is never leased within LEASE_SHARE x LEASE_MIN requests
+-- of its end); one taken in the last LEASE_MIN_MS of a second counts its requests in the next
+-- (``plans.admission.lease``)
 local LEASE_SHARE = 8
+local LEASE_MIN = 8
 local LEASE_MIN_MS = 50
 
 local function int(x) return string.format('%d', x) end
@@ -165,7 +172,8 @@ end
 --   tokens per minute, reject overflow; then the request's: request id, estimate, (a lease:
 --   requests wanted), per budget its worst case, window: worst case, provisioned: need
 -- A lease (``leasing``: no window, no provisioned) takes ``n`` requests' worth at once: at
--- most 1/LEASE_SHARE of what each limit has left, at least 2, or it is refused ('lease');
+-- most 1/LEASE_SHARE of what each limit has left, at least LEASE_MIN, or it is refused
+-- ('lease');
 -- the answer's 13th value is ``n``, its 12th the start of the second its requests count in
 -- (this one's, or the next one's in this one's last LEASE_MIN_MS).
 local function admit(ki, ai, leasing)
@@ -271,7 +279,7 @@ local function admit(ki, ai, leasing)
   local cnt = 1
   if lease then
     cnt = lease.n
-    if cnt < 2 or reject then reject, retry = 'lease', 1000 - (now - sec_ms) end
+    if cnt < LEASE_MIN or reject then reject, retry = 'lease', 1000 - (now - sec_ms) end
   end
   if reject then
     if rem_req >= 0 and reject ~= 'requests' then rem_req = rem_req + 1 end
