@@ -258,7 +258,7 @@ def budget_amounts(p: QuotaPolicy, *, tier: str, zone: str, prompt_tokens: int,
         return [cost]
     return [cost if b.coefficients is None else credits_micro(
         b.coefficients, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-        completion_tokens=completion_tokens) for b in p.budgets]
+        completion_tokens=completion_tokens) for b in rules]
 
 
 def admit_frame(p: QuotaPolicy, month: str, kind: str = "a") -> Frame:

@@ -32,8 +32,9 @@ What it keeps exact:
   expiry); as they settle, their spend is added and their reservations released within
   ``FLUSH_S`` (one giveback for all that settled meanwhile; at once after the last). A
   process that dies holding a lease loses it as it would a request: the reservation expires
-  (``TOLLGATE_RESERVATION_TTL_S``) and the beat sweep raises spend to PostgreSQL's; the web
-  process gives its leases back when it shuts down (``aclose``, the ASGI lifespan).
+  (``TOLLGATE_RESERVATION_TTL_S``) and the beat sweep raises spend to PostgreSQL's, as when a
+  giveback fails (Redis down; its unused requests then count until they leave the window); the
+  web process gives its leases back when it shuts down (``aclose``, the ASGI lifespan).
 
 Only policies without a token plan's window or provisioned capacity lease (those count every
 request against shared per-minute state), and only one without an end user's budget (a rule of
