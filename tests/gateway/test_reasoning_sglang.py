@@ -48,8 +48,12 @@ def test_reasoning_tokens_are_the_engines_count_stored_and_billed(transactional_
                 stream_options={"include_usage": True}) as response:
             chunks = list(response.parse())
         final = chunks[-1].usage
-        assert final.completion_tokens_details.reasoning_tokens == 8
-        assert _event(response.headers["x-request-id"]).reasoning_tokens == 8
+        # all of it reasoning, the engine's count, stored as such; this prompt is a prefix-cache
+        # hit, and on a loaded machine the random model has ended (EOS) after 2 of the 8 tokens
+        assert 1 <= final.completion_tokens <= 8
+        assert final.completion_tokens_details.reasoning_tokens == final.completion_tokens
+        assert _event(response.headers["x-request-id"]).reasoning_tokens == (
+            final.completion_tokens)
 
         replied = client.responses.with_raw_response.create(model=MODEL, input="Think.",
                                                             max_output_tokens=6)
