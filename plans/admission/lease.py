@@ -15,8 +15,8 @@ What it keeps exact:
 - **Never over a limit.** Whatever a lease holds is counted or reserved in Redis while it
   lives, so every process's admissions together never pass a limit; a lease may take at most
   1/8 of what each limit has left and at least 8 requests' worth (``LEASE_SHARE``,
-  ``LEASE_MIN`` in the Lua), so within 64 requests of a limit's end (and for any limit under
-  64) every request is decided by Redis alone, as before.
+  ``LEASE_MIN`` in the Lua), so no lease is taken within 64 requests of a limit's end (nor
+  on any limit under 64): there, requests are decided by Redis alone, as before.
 - **Requests are counted in their own second.** A lease lives at most until the end of the
   Redis second its requests count in: the one it was granted in, or in that second's last
   50 ms the next one (a request then leaves the window a little later, never earlier).
