@@ -43,6 +43,7 @@ from billing_platform.gateway import db_connections
 from billing_platform.gateway.bodies import ClientGone, GatewayRequest
 from billing_platform.gateway.errors import openai_error, server_error
 from billing_platform.gateway.metrics import request_observed
+from plans import admission
 
 log = logging.getLogger(__name__)
 # Routes whose POST body is spooled to disk under the file limit, not read into memory; the
@@ -202,8 +203,6 @@ async def lifespan(receive: Any, send: Any) -> None:
     flight finish), give back the quota leases this process holds, so that what they hold
     unused is counted and reserved no more (a process that dies without it leaves its leases
     to expire, as a crashed request's reservation does)."""
-    from plans import admission  # the web process's Django is set up by now
-
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plans.admission.policy import (
     MICRO,
@@ -39,6 +39,9 @@ from plans.pricing import (
     rounded_lines,
     units_in_last_places,
 )
+
+if TYPE_CHECKING:
+    from plans.admission.lease import Lease
 
 # One ARGV value of a script call (Redis receives every value as a string), and one value of
 # a script's answer (integers, or strings as bytes or text).
@@ -202,7 +205,7 @@ class Ticket:
     settled: bool = False
     _headers: dict[str, str] | None = field(default=None, repr=False)
     # admitted from a lease (``lease.Lease``) and what it holds of it per budget: settled there
-    lease: Any = field(default=None, repr=False)
+    lease: Lease | None = field(default=None, repr=False)
     held: tuple[int, ...] = ()
 
     @property

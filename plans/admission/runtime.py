@@ -341,6 +341,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
     ``end_user`` is the request's ``user``: an organization's per-end-user budget limits it
     as one more hard budget, in the same atomic step. A busy policy's requests are admitted
     from its lease in the process (``lease``) while it covers them."""
+    worst = None  # per budget rule, when the request may come from a lease
     if lease.leasable(policy) and policy.end_user_limit(end_user) is None:
         started = time.perf_counter()
         worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
@@ -351,13 +352,16 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
             admission_observed("admitted", time.perf_counter() - started)
             return ticket
     return await _admit(policy, request_id=request_id, tier=tier, zone=zone,
-                        prompt_tokens=prompt_tokens, max_output=max_output, end_user=end_user)
+                        prompt_tokens=prompt_tokens, max_output=max_output, end_user=end_user,
+                        worst=worst)
 
 
 @timed_admission
 async def _admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
-                 prompt_tokens: int, max_output: int, end_user: str | None) -> Ticket:
-    """Admit a request its policy's lease did not: from a new lease, or in Redis alone."""
+                 prompt_tokens: int, max_output: int, end_user: str | None,
+                 worst: list[int] | None) -> Ticket:
+    """Admit a request its policy's lease did not: from a new lease (``worst`` given: the
+    policy may lease), or in Redis alone."""
     own_rule = policy.end_user_limit(end_user)
     if own_rule is not None:
         policy = policy.with_rule(await _end_user_rule(policy, own_rule))
@@ -369,9 +373,7 @@ async def _admit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
                             f"{policy.plan_exhausted}. Buy a credit pack or wait.",
                             code="plan_quota_exhausted", headers={"retry-after": "60"})
     batcher = _batcher()
-    if own_rule is None and lease.leasable(policy):
-        worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
-                               cached_tokens=0, completion_tokens=max_output, worst=True)
+    if worst is not None:
         ticket = await lease.acquire(policy, request_id, tier, zone, prompt_tokens + max_output,
                                      worst, batcher.submit, _send)
         if ticket is not None:
