@@ -34,22 +34,25 @@ def test_reasoning_tokens_are_the_engines_count_stored_and_billed(transactional_
             model=MODEL, messages=ASK, max_tokens=12, seed=1)
         answer = raw.parse()
         usage = answer.usage
-        assert usage.completion_tokens == 12
-        assert usage.completion_tokens_details.reasoning_tokens == 12
+        # the random model may end (EOS) before max_tokens, as it did once on a loaded machine:
+        # whatever it produced is all reasoning, counted by the engine and stored as such
+        produced = usage.completion_tokens
+        assert 1 <= produced <= 12
+        assert usage.completion_tokens_details.reasoning_tokens == produced
         assert answer.choices[0].message.model_extra["reasoning_content"]
         event = _event(raw.headers["x-request-id"])
-        assert (event.completion_tokens, event.reasoning_tokens) == (12, 12)
+        assert (event.completion_tokens, event.reasoning_tokens) == (produced, produced)
         # reasoning is output, priced as output
         assert event.amount == (event.prompt_tokens * Decimal("1.00")
-                                + 12 * Decimal("2.00")) / 1_000_000
+                                + produced * Decimal("2.00")) / 1_000_000
 
         with client.chat.completions.with_streaming_response.create(
                 model=MODEL, messages=ASK, max_tokens=8, stream=True, seed=2,
                 stream_options={"include_usage": True}) as response:
             chunks = list(response.parse())
         final = chunks[-1].usage
-        # all of it reasoning, the engine's count, stored as such; this prompt is a prefix-cache
-        # hit, and on a loaded machine the random model has ended (EOS) after 2 of the 8 tokens
+        # all of it reasoning, the engine's count, stored as such (this prompt is a prefix-cache
+        # hit; on a loaded machine the random model once ended after 2 of the 8 tokens)
         assert 1 <= final.completion_tokens <= 8
         assert final.completion_tokens_details.reasoning_tokens == final.completion_tokens
         assert _event(response.headers["x-request-id"]).reasoning_tokens == (
@@ -57,6 +60,8 @@ def test_reasoning_tokens_are_the_engines_count_stored_and_billed(transactional_
 
         replied = client.responses.with_raw_response.create(model=MODEL, input="Think.",
                                                             max_output_tokens=6)
-        details = replied.parse().usage.output_tokens_details
-        assert details.reasoning_tokens == 6
-        assert _event(replied.headers["x-request-id"]).reasoning_tokens == 6
+        replied_usage = replied.parse().usage
+        assert 1 <= replied_usage.output_tokens <= 6
+        assert replied_usage.output_tokens_details.reasoning_tokens == replied_usage.output_tokens
+        assert _event(replied.headers["x-request-id"]).reasoning_tokens == (
+            replied_usage.output_tokens)
