@@ -7,7 +7,9 @@ cleared around each test so no test sees another's cache.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,18 +84,23 @@ def celery_worker_process(transactional_db, tmp_path) -> Iterator[Callable[..., 
         proc = subprocess.Popen(
             argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "DATABASE_URL": db_url, **(env or {})},
+            start_new_session=True,  # its own process group: see the teardown below
         )
         proc.log_path = tmp_path / "worker.log"  # type: ignore[attr-defined]
         procs.append(proc)
         return proc
 
     yield start
+    # A warm shutdown waits for the running task (a batch can run for minutes); killing only the
+    # main process then left its pool child and embedded beat running after the test session.
+    # The worker's whole process group goes, whatever is left of it.
     for proc in procs:
         proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.fixture
