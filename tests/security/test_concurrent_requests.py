@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from billing_platform.accounts.services import api_key_revoke, organization_update
 from billing_platform.redis_conn import get_redis
 from engine_adapter.sim.testing import start_sim
 from plans.admission.policy import inflight_key
@@ -160,3 +161,43 @@ def test_slots_of_a_gateway_that_died_lapse_with_their_lease(slow_gateway):
     assert _ask(successor, secret).status_code == 429
     wait_until(lambda: _ask(successor, secret).status_code == 200, timeout=30,
                what="the dead gateway's slots to lapse")
+
+
+def test_a_key_the_gateway_knows_holds_no_slot_it_is_not_entitled_to(slow_gateway):
+    # given a gateway that has served a key (it has the key's principal cached), a limit of 2,
+    # and one stream held open with the key
+    gateway = slow_gateway(TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS="2")
+    org = OrganizationFactory()
+    key, secret = make_key(project=ProjectFactory(organization=org))
+    assert _ask(gateway, secret).status_code == 200
+    stream = Stream(gateway, secret, max_tokens=2000)
+    assert _held(org) == 1
+
+    # when others try the key's prefix with secrets of their own
+    prefix, _, real = secret.rpartition("_")
+    forged = [_ask(gateway, f"{prefix}_{'x' * len(real)}") for _ in range(5)]
+
+    # then they are refused and take nothing from the organization
+    assert {r.status_code for r in forged} == {401}
+    assert _held(org) == 1
+
+    # when staff lower the organization's limit to 1 (the cached principal said 2)
+    organization_update(organization=org, max_concurrent_requests=1)
+
+    # then the new limit refuses a second request at once, which holds nothing either
+    refused = _ask(gateway, secret)
+    assert refused.json()["error"]["code"] == "too_many_concurrent_requests"
+    assert "limit of concurrent requests (1)" in refused.json()["error"]["message"]
+    assert _held(org) == 1
+
+    # when the stream ends and the key is revoked
+    stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="the stream's slot")
+    api_key_revoke(api_key=key)
+
+    # then every request with it gets 401, and no slot stays taken in its name
+    assert [_ask(gateway, secret).status_code for _ in range(3)] == [401] * 3
+    wait_until(lambda: _held(org) == 0, timeout=10, what="no slot held by a revoked key")
+    # and the organization's other keys are served under its limit as before
+    other = make_key(project=ProjectFactory(organization=org))[1]
+    assert _ask(gateway, other).status_code == 200
