@@ -17,7 +17,8 @@ T = TypeVar("T")
 ADMISSION_SECONDS = Histogram(
     "tollgate_admission_seconds",
     "Time to admit a request (rate limits, budget reservation, capacity, plan: one Redis "
-    "step), by outcome: admitted, rejected (429), error (Redis failed).", ["outcome"],
+    "step), by outcome: admitted (in Redis), leased (from the process's quota lease, no "
+    "Redis), rejected (429), error (Redis failed).", ["outcome"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 POLICY_RELOAD_FAILURES = Counter(
     "tollgate_quota_policy_reload_failures",
@@ -37,7 +38,8 @@ WEBHOOK_OUTCOMES = ("delivered", "failed", "refused", "abandoned")
 
 # Known label values start at 0, so an alert on increase() sees the first event too. The
 # admission's children are looked up once: labels() per decision was ~5 % of its CPU.
-_ADMISSION_BY_OUTCOME = {o: ADMISSION_SECONDS.labels(o) for o in ("admitted", "rejected", "error")}
+_ADMISSION_BY_OUTCOME = {o: ADMISSION_SECONDS.labels(o)
+                         for o in ("admitted", "leased", "rejected", "error")}
 for _outcome in WEBHOOK_OUTCOMES:
     BUDGET_WEBHOOKS.labels(_outcome)
     WEBHOOK_DELIVERIES.labels(_outcome)
@@ -64,7 +66,8 @@ def timed_admission(func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]
 
 
 def admission_observed(outcome: str, seconds: float) -> None:
-    """Observe one admission's duration under its outcome (admitted, rejected, error)."""
+    """Observe one admission's duration under its outcome (admitted, leased, rejected,
+    error)."""
     _ADMISSION_BY_OUTCOME[outcome].observe(seconds)
 
 

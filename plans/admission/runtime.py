@@ -349,7 +349,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         ticket = lease.take(policy, request_id, tier, zone, prompt_tokens + max_output, worst,
                             _send)
         if ticket is not None:
-            admission_observed("admitted", time.perf_counter() - started)
+            admission_observed("leased", time.perf_counter() - started)
             return ticket
     return await _admit(policy, request_id=request_id, tier=tier, zone=zone,
                         prompt_tokens=prompt_tokens, max_output=max_output, end_user=end_user,

@@ -12,6 +12,7 @@ import uuid
 from decimal import Decimal
 
 import pytest
+from prometheus_client import REGISTRY
 
 from billing_platform.redis_conn import get_aredis
 from plans import admission
@@ -88,6 +89,16 @@ async def _quiesce() -> int:
     return given_back
 
 
+def _decisions() -> dict[str, float]:
+    """``tollgate_admission_seconds``'s count per outcome (this process's, as /metrics has it)."""
+    return {o: REGISTRY.get_sample_value("tollgate_admission_seconds_count", {"outcome": o})
+            or 0.0 for o in ("admitted", "leased")}
+
+
+def _delta(before: dict[str, float]) -> dict[str, int]:
+    return {o: int(v - before[o]) for o, v in _decisions().items()}
+
+
 async def _evalsha_calls() -> int:
     stats = await get_aredis().info("commandstats")
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
@@ -122,6 +133,31 @@ def test_a_burst_is_admitted_from_leases_and_redis_ends_as_if_each_came_alone():
     # every request saw its own remaining count, as if admitted alone
     remaining = sorted(int(t.headers["x-ratelimit-remaining-requests"]) for t in tickets)
     assert remaining == list(range(10**6 - n, 10**6))
+
+
+def test_the_metrics_tell_decisions_from_a_lease_apart_from_those_taken_in_redis():
+    # given a busy policy: a burst's requests all wait for its lease to be taken in Redis
+    async def run():
+        policy = _policy()
+        try:
+            first = _decisions()
+            burst = await _burst(policy, 100)
+            after_burst = _delta(first)
+            # when more come one after another while the lease lasts
+            then = _decisions()
+            one_by_one = [await _admit(policy) for _ in range(20)]
+            after_sequence = _delta(then)
+            await _settle(burst + one_by_one)
+            await _quiesce()
+            return after_burst, after_sequence
+        finally:
+            await _cleanup(policy)
+
+    after_burst, after_sequence = asyncio.run(run())
+    # then the burst counts as admitted (it waited for Redis), the sequence as leased (it did
+    # not; one may open the next second's lease), every decision once
+    assert after_burst == {"admitted": 100, "leased": 0}
+    assert sum(after_sequence.values()) == 20 and after_sequence["leased"] >= 18
 
 
 @pytest.mark.parametrize("limit", ["rpm", "budget"])
@@ -234,8 +270,10 @@ def test_with_leases_turned_off_every_request_is_decided_in_redis(monkeypatch):
         finally:
             await _cleanup(policy)
 
+    before = _decisions()
     tickets, state = asyncio.run(run())
     assert all(t is not None and t.lease is None for t in tickets)
+    assert _delta(before) == {"admitted": 100, "leased": 0}
     assert state["budget"] == {"spent": str(100 * ACTUAL), "reserved": "0"}
 
 
