@@ -63,8 +63,9 @@ def json_loads(raw: bytes | str) -> Any:
                           ) from None
         raise NotJSON(str(exc)) from None
     if isinstance(value, dict | list):
-        text = raw if isinstance(raw, bytes) else raw.encode(errors="surrogatepass")
-        if text.count(b"[") + text.count(b"{") > MAX_DEPTH and _too_deep(value):
+        brackets = (raw.count(b"[") + raw.count(b"{") if isinstance(raw, bytes)
+                    else raw.count("[") + raw.count("{"))
+        if brackets > MAX_DEPTH and _too_deep(value):
             raise NotJSON(f"JSON nested deeper than {MAX_DEPTH} levels is not accepted.")
     return value
 

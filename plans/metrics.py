@@ -17,8 +17,8 @@ T = TypeVar("T")
 ADMISSION_SECONDS = Histogram(
     "tollgate_admission_seconds",
     "Time to admit a request (rate limits, budget reservation, capacity, plan: one Redis "
-    "step), by outcome: admitted (in Redis), leased (from the process's quota lease, no "
-    "Redis), rejected (429), error (Redis failed).", ["outcome"],
+    "step, or none from a lease), by outcome: admitted (in Redis), leased (from the process's "
+    "quota lease), rejected (429), error (Redis failed).", ["outcome"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 POLICY_RELOAD_FAILURES = Counter(
     "tollgate_quota_policy_reload_failures",
