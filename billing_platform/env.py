@@ -160,6 +160,9 @@ FILES_DISK_RESERVE_BYTES: int = env.int("TOLLGATE_FILES_DISK_RESERVE_BYTES", def
 # field takes precedence); a slot a crashed process never released lapses after the lease.
 ORG_MAX_CONCURRENT_REQUESTS: int = env.int("TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS", default=256)
 ORG_CONCURRENCY_LEASE_S: float = env.float("TOLLGATE_ORG_CONCURRENCY_LEASE_S", default=900.0)
+# A busy organization's slots a web process takes ahead in one script call and hands out
+# itself (plans/concurrency.py): at most this many, and at most 1/16 of the limit; 0: none.
+ORG_CONCURRENCY_POOL_MAX: int = env.int("TOLLGATE_ORG_CONCURRENCY_POOL_MAX", default=16)
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)

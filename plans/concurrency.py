@@ -15,12 +15,31 @@ The limit is the organization's ``max_concurrent_requests`` (set by staff, carri
 cached key principal) or ``ORG_MAX_CONCURRENT_REQUESTS``. Redis unreachable: the request goes
 on unbounded (logged), as admission does without a hard budget: this bounds shared capacity,
 not money.
+
+**Pools.** A slot taken and given back in Redis costs every request two round trips (one of
+them before the body is read, on its time to first token) and the one Redis thread two
+commands. So a busy organization's slots are taken ahead: once ``DEMAND`` of its requests
+reach a process within ``DEMAND_S``, the acquire that goes to Redis also adds up to
+``ORG_CONCURRENCY_POOL_MAX`` (at most 1/16 of the limit) members named for the process's pool,
+and only when at least half the limit stays free after them; the process then hands those
+members to its requests and takes them back itself. They are real members of the set,
+scored like any slot and renewed while the pool lives, so every process's requests and pools
+together never pass the limit: a pool's unused members only make the organization's other
+processes refuse a little early (at most one pool's worth each) when it is at its limit. A
+pool is given back after ``IDLE_S`` without a request in flight, at once when the
+organization's limit changes (its members in use are then released one by one, as plain
+slots), and at shutdown; a process that dies leaves it to lapse like its slots.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from django.conf import settings
@@ -32,21 +51,64 @@ from plans.admission.policy import inflight_key
 
 log = logging.getLogger(__name__)
 
-# KEYS: the org's in-flight set. ARGV: lease (ms), limit, member. Return the slots held after
-# the call, negated when the limit refused this one.
+# KEYS: the org's in-flight set. ARGV: lease (ms), limit, member, pool name, pool members
+# wanted. Return {slots held after the call (negated when the limit refused this one), pool
+# members added (named <pool name>:1..n)}.
 ACQUIRE_LUA = """
 local now = redis.call('TIME')
 local ms = now[1] * 1000 + math.floor(now[2] / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 local held = redis.call('ZCARD', KEYS[1])
-if held >= tonumber(ARGV[2]) then
-  return -held
+local limit = tonumber(ARGV[2])
+if held >= limit then
+  return {-held, 0}
 end
-redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[1]), ARGV[3])
+local expiry = ms + tonumber(ARGV[1])
+local n = tonumber(ARGV[5])
+if n > 0 and 2 * (held + 1 + n) <= limit then
+  local args = {expiry, ARGV[3]}
+  for i = 1, n do
+    args[#args + 1] = expiry
+    args[#args + 1] = ARGV[4] .. ':' .. i
+  end
+  redis.call('ZADD', KEYS[1], unpack(args))
+else
+  n = 0
+  redis.call('ZADD', KEYS[1], expiry, ARGV[3])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return held + 1
+return {held + 1 + n, n}
 """
-_sha: str | None = None
+# KEYS: the org's in-flight set. ARGV: lease (ms), the pool's members: each still there lives
+# another lease from now.
+RENEW_LUA = """
+local now = redis.call('TIME')
+local expiry = now[1] * 1000 + math.floor(now[2] / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+_shas: dict[str, str] = {}
+
+DEMAND = 4  # requests of one organization within DEMAND_S that make a process take a pool
+DEMAND_S = 0.1
+IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
+CHECK_S = 0.5  # how often a pool is looked at (idle, due for renewal)
+
+
+@dataclass(eq=False)
+class _Pool:
+    """Slots of one organization this process took ahead (members of its in-flight set)."""
+
+    org_id: int
+    limit: int
+    members: set[str]
+    free: list[str]
+    renew_at: float
+    last_used: float
+    closed: bool = False
 
 
 @dataclass
@@ -56,6 +118,13 @@ class Slot:
     org_id: int
     member: str
     released: bool = False
+    pool: _Pool | None = None
+
+
+_pools: dict[int, _Pool] = {}
+_demand: dict[int, list[float]] = {}  # org -> [window start, count, previous window's count]
+_tasks: set[asyncio.Task[None]] = set()  # pool give-backs and renewals under way
+_asking: set[int] = set()  # organizations a call is adding pool members for
 
 
 def limit_of(max_concurrent_requests: int | None) -> int:
@@ -63,32 +132,139 @@ def limit_of(max_concurrent_requests: int | None) -> int:
     return max_concurrent_requests or settings.ORG_MAX_CONCURRENT_REQUESTS
 
 
-async def _run(keys: list[str], args: list[object]) -> int:
-    global _sha
+def _lease_ms() -> int:
+    return int(settings.ORG_CONCURRENCY_LEASE_S * 1000)
+
+
+async def _run(script: str, keys: list[str], args: list[object]) -> Any:
     connection = get_pipelined()
-    if _sha is None:
-        _sha = await connection.execute("SCRIPT", "LOAD", ACQUIRE_LUA)
+    sha = _shas.get(script)
+    if sha is None:
+        sha = _shas[script] = await connection.execute("SCRIPT", "LOAD", script)
     try:
-        return int(await connection.execute("EVALSHA", _sha, len(keys), *keys, *args))
+        return await connection.execute("EVALSHA", sha, len(keys), *keys, *args)
     except NoScriptError:  # Redis lost its script cache (a restart): nothing ran
-        _sha = await connection.execute("SCRIPT", "LOAD", ACQUIRE_LUA)
-        return int(await connection.execute("EVALSHA", _sha, len(keys), *keys, *args))
+        sha = _shas[script] = await connection.execute("SCRIPT", "LOAD", script)
+        return await connection.execute("EVALSHA", sha, len(keys), *keys, *args)
+
+
+def _wanted(org_id: int, limit: int) -> int:
+    """Count one of the organization's requests; return how many pool members to ask for
+    (0 while it is not busy, pools are off, or its limit is too small to spare 2)."""
+    size = min(settings.ORG_CONCURRENCY_POOL_MAX, limit // 16)
+    if size < 2:
+        return 0
+    now = time.monotonic()
+    demand = _demand.get(org_id)
+    if demand is None:
+        if len(_demand) >= 10_000:  # quiet organizations are forgotten
+            _demand.clear()
+        demand = _demand[org_id] = [now, 0, 0]
+    if now - demand[0] >= DEMAND_S:
+        demand[2] = demand[1] if now - demand[0] < 2 * DEMAND_S else 0
+        demand[0], demand[1] = now, 0
+    demand[1] += 1
+    if max(demand[1], demand[2]) < DEMAND:
+        return 0
+    if org_id in _asking:  # one call at a time adds to an organization's pool
+        return 0
+    pool = _pools.get(org_id)
+    return size - (len(pool.members) if pool is not None else 0)
+
+
+def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
+    """Record the members a call added for the process's pool of the organization."""
+    now = time.monotonic()
+    pool = _pools.get(org_id)
+    if pool is None or pool.limit != limit:
+        pool = _Pool(org_id=org_id, limit=limit, members=set(), free=[],
+                     renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now)
+        old = _pools.get(org_id)
+        _pools[org_id] = pool
+        if old is not None:
+            _spawn(_give_back(old))
+        asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
+    fresh = [f"{name}:{i}" for i in range(1, added + 1)]
+    pool.members.update(fresh)
+    pool.free.extend(fresh)
+    pool.renew_at = min(pool.renew_at, now + settings.ORG_CONCURRENCY_LEASE_S / 2)
+
+
+def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+def _check(pool: _Pool) -> None:
+    """Give an idle pool back; renew a live one's members before they would lapse."""
+    if pool.closed:
+        return
+    now = time.monotonic()
+    if len(pool.free) == len(pool.members) and now - pool.last_used >= IDLE_S:
+        _spawn(_give_back(pool))
+        return
+    if now >= pool.renew_at:
+        pool.renew_at = now + settings.ORG_CONCURRENCY_LEASE_S / 2
+        _spawn(_renew(pool))
+    asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
+
+
+async def _renew(pool: _Pool) -> None:
+    try:
+        await _run(RENEW_LUA, [inflight_key(pool.org_id)], [_lease_ms(), *pool.members])
+    except redis.RedisError as exc:
+        log.warning("in-flight pool of organization %s not renewed (%r)", pool.org_id, exc)
+
+
+async def _give_back(pool: _Pool) -> None:
+    """Close the pool and remove its free members (those in use go as their requests end)."""
+    if not pool.closed:
+        pool.closed = True
+        if _pools.get(pool.org_id) is pool:
+            del _pools[pool.org_id]
+    free, pool.free = pool.free, []
+    pool.members.difference_update(free)
+    if not free:
+        return
+    try:
+        await get_pipelined().execute("ZREM", inflight_key(pool.org_id), *free)
+    except redis.RedisError as exc:
+        log.warning("in-flight pool of organization %s not given back (%r); it lapses after "
+                    "%.0fs", pool.org_id, exc, settings.ORG_CONCURRENCY_LEASE_S)
 
 
 async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
     """Take one of the organization's ``limit`` slots for a request, or raise ``RateLimited``
     (429 ``too_many_concurrent_requests``). Return None when Redis is unreachable."""
+    pool = _pools.get(org_id)
+    if pool is not None:
+        if pool.limit != limit:  # the organization's limit changed: its pool goes first
+            await _give_back(pool)
+        elif pool.free:
+            return Slot(org_id=org_id, member=pool.free.pop(), pool=pool)
+    wanted = _wanted(org_id, limit)
+    name = ""
+    if wanted > 0:
+        name = f"pool_{uuid.uuid4().hex}"
+        _asking.add(org_id)
     try:
-        held = await _run([inflight_key(org_id)],
-                          [int(settings.ORG_CONCURRENCY_LEASE_S * 1000), limit, request_id])
+        raw = await _run(ACQUIRE_LUA, [inflight_key(org_id)],
+                         [_lease_ms(), limit, request_id, name, max(wanted, 0)])
     except redis.RedisError as exc:
         log.warning("concurrency limit skipped for %s: Redis unavailable (%r)", request_id, exc)
         return None
+    finally:
+        if name:
+            _asking.discard(org_id)
+    held, added = int(raw[0]), int(raw[1])
     if held < 0:
         raise RateLimited(
             f"Your organization has {-held} requests in flight, its limit of concurrent "
             f"requests ({limit}); retry when one of them has finished.",
             code="too_many_concurrent_requests", headers={"retry-after": "1"})
+    if added:
+        _pooled(org_id, limit, name, added)
     return Slot(org_id=org_id, member=request_id)
 
 
@@ -97,8 +273,22 @@ async def arelease(slot: Slot | None) -> None:
     if slot is None or slot.released:
         return
     slot.released = True
+    pool = slot.pool
+    if pool is not None:
+        if not pool.closed:
+            pool.free.append(slot.member)
+            pool.last_used = time.monotonic()
+            return
+        pool.members.discard(slot.member)
     try:
         await get_pipelined().execute("ZREM", inflight_key(slot.org_id), slot.member)
     except redis.RedisError as exc:
         log.warning("in-flight slot of %s not released (%r); it lapses after %.0fs",
                     slot.member, exc, settings.ORG_CONCURRENCY_LEASE_S)
+
+
+async def aclose() -> int:
+    """Give back every pool this process holds (at shutdown); return how many."""
+    pools = list(_pools.values())
+    await asyncio.gather(*(_give_back(pool) for pool in pools))
+    return len(pools)

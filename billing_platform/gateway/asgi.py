@@ -43,7 +43,7 @@ from billing_platform.gateway import db_connections
 from billing_platform.gateway.bodies import ClientGone, GatewayRequest
 from billing_platform.gateway.errors import openai_error, server_error
 from billing_platform.gateway.metrics import request_observed
-from plans import admission
+from plans import admission, concurrency
 
 log = logging.getLogger(__name__)
 # Routes whose POST body is spooled to disk under the file limit, not read into memory; the
@@ -200,9 +200,9 @@ class GatewayASGI:
 
 async def lifespan(receive: Any, send: Any) -> None:
     """Serve the ASGI lifespan protocol: at shutdown (after uvicorn has let the requests in
-    flight finish), give back the quota leases this process holds, so that what they hold
-    unused is counted and reserved no more (a process that dies without it leaves its leases
-    to expire, as a crashed request's reservation does)."""
+    flight finish), give back the quota leases and in-flight slot pools this process holds, so
+    that what they hold unused is counted and reserved no more (a process that dies without it
+    leaves them to expire, as a crashed request's reservation and slots do)."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -214,5 +214,11 @@ async def lifespan(receive: Any, send: Any) -> None:
                     log.info("gave back %d quota leases at shutdown", given_back)
             except Exception as exc:  # Redis down: they expire on their own
                 log.warning("quota leases not given back at shutdown: %r", exc)
+            try:
+                pools = await concurrency.aclose()
+                if pools:
+                    log.info("gave back %d in-flight slot pools at shutdown", pools)
+            except Exception as exc:  # Redis down: they lapse on their own
+                log.warning("in-flight slot pools not given back at shutdown: %r", exc)
             await send({"type": "lifespan.shutdown.complete"})
             return

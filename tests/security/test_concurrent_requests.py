@@ -3,6 +3,9 @@ flight at once than its limit, whatever else it does. A slot is held from authen
 response's end (a stream to its last byte, or to the client's disconnect), other organizations
 are not touched by one at its limit, staff can give an organization a limit of its own, and a
 gateway that dies holding slots cannot lock an organization out: they lapse with their lease.
+The slots a busy organization's gateway processes take ahead (pools) keep all of that: they
+count, never let it past its limit, are renewed while held and given back when idle or when
+its limit changes.
 
 A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
 """
@@ -11,7 +14,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -61,13 +66,14 @@ def _ask(gateway: LiveGateway, secret: str) -> httpx.Response:
 class Stream:
     """A streaming request read up to its first chunk, then held open (its own connection)."""
 
-    def __init__(self, gateway: LiveGateway, secret: str, *, max_tokens: int) -> None:
+    def __init__(self, gateway: LiveGateway, secret: str, *, max_tokens: int,
+                 **body: object) -> None:
         self.client = httpx.Client(timeout=60)
         request = self.client.build_request(
             "POST", f"{gateway.url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {secret}"},
             json={"model": "slow", "max_tokens": max_tokens, "stream": True,
-                  "messages": [{"role": "user", "content": "tell me a story"}]})
+                  "messages": [{"role": "user", "content": "tell me a story"}], **body})
         self.response = self.client.send(request, stream=True)
         assert self.response.status_code == 200, self.response.read()
         self.lines = self.response.iter_lines()
@@ -201,3 +207,94 @@ def test_a_key_the_gateway_knows_holds_no_slot_it_is_not_entitled_to(slow_gatewa
     # and the organization's other keys are served under its limit as before
     other = make_key(project=ProjectFactory(organization=org))[1]
     assert _ask(gateway, other).status_code == 200
+
+
+# A busy organization's slots taken ahead by each gateway process (plans.concurrency's pools):
+# with a limit of 32, each process's pool is 2 slots (1/16 of it).
+POOLED = {"TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS": "32"}
+
+
+def _busy(gateway: LiveGateway, secret: str, n: int = 12) -> None:
+    """Send ``n`` requests at once: the organization is busy, the process takes a pool."""
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(lambda _: _ask(gateway, secret), range(n)))
+    assert {r.status_code for r in answers} == {200}
+
+
+def _open_until_refused(gateways: list[LiveGateway], secret: str, org, attempts: int
+                        ) -> tuple[list[Stream], list[httpx.Response]]:
+    streams, refused = [], []
+    for i in range(attempts):
+        gateway = gateways[i % len(gateways)]
+        try:
+            streams.append(Stream(gateway, secret, max_tokens=2000))
+        except AssertionError:
+            refused.append(_ask(gateway, secret))
+        assert _held(org) <= 32
+    return streams, refused
+
+
+def test_pooled_slots_never_let_a_busy_organization_past_its_limit(slow_gateway):
+    # given two gateway processes and an organization busy on both (each took a pool)
+    gateways = [slow_gateway(**POOLED), slow_gateway(**POOLED)]
+    org, secret = _tenant()
+    for gateway in gateways:
+        _busy(gateway, secret)
+    assert 2 <= _held(org) <= 4  # the pools' slots, taken ahead, count while nothing runs
+
+    # when it opens streams on both until they are refused
+    streams, refused = _open_until_refused(gateways, secret, org, attempts=40)
+
+    # then no more than its limit ran at once (at most a pool's worth less on each process)
+    assert 28 <= len(streams) <= 32
+    assert {r.json()["error"]["code"] for r in refused} == {"too_many_concurrent_requests"}
+    assert _held(org) <= 32
+    # and once they end, the idle pools are given back: nothing is held in its name
+    for stream in streams:
+        stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=15, what="the pools given back when idle")
+
+
+def test_a_lowered_limit_gives_a_pool_back_at_once(slow_gateway):
+    # given a busy organization whose gateway process holds a pool, and one stream from it
+    gateway = slow_gateway(**POOLED)
+    org, secret = _tenant()
+    _busy(gateway, secret)
+    first = Stream(gateway, secret, max_tokens=2000)
+
+    # when staff lower its limit to 2
+    organization_update(organization=org, max_concurrent_requests=2)
+
+    # then the pool's unused slots no longer count: a second request is served, a third refused
+    second = Stream(gateway, secret, max_tokens=2000)
+    assert _held(org) == 2
+    refused = _ask(gateway, secret)
+    assert refused.json()["error"]["code"] == "too_many_concurrent_requests"
+    assert "limit of concurrent requests (2)" in refused.json()["error"]["message"]
+    first.abort()
+    second.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="every slot released")
+
+
+def test_a_pooled_slot_held_past_its_lease_still_counts(slow_gateway):
+    # given slots that lapse after 3 s unless renewed, and a stream on a busy organization's pool
+    gateway = slow_gateway(**POOLED, TOLLGATE_ORG_CONCURRENCY_LEASE_S="3")
+    org, secret = _tenant()
+    _busy(gateway, secret)
+    stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)  # 20 s
+    held = _held(org)
+    assert held == 2  # the stream's slot and the pool's other one
+
+    # when the stream runs (read as it comes) for more than two leases
+    until = time.monotonic() + 7
+    while time.monotonic() < until:
+        assert next(stream.lines) != "data: [DONE]"
+
+    # then the pool's slots were renewed while the process held them: they still count
+    assert _held(org) == held
+    redis_now = get_redis().time()
+    now_ms = redis_now[0] * 1000 + redis_now[1] // 1000
+    assert all(score > now_ms for _m, score in
+               get_redis().zrange(inflight_key(org.id), 0, -1, withscores=True))
+    stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="the pool given back when idle")
