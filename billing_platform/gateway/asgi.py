@@ -208,17 +208,13 @@ async def lifespan(receive: Any, send: Any) -> None:
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            try:
-                given_back = await admission.aclose_leases()
-                if given_back:
-                    log.info("gave back %d quota leases at shutdown", given_back)
-            except Exception as exc:  # Redis down: they expire on their own
-                log.warning("quota leases not given back at shutdown: %r", exc)
-            try:
-                pools = await concurrency.aclose()
-                if pools:
-                    log.info("gave back %d in-flight slot pools at shutdown", pools)
-            except Exception as exc:  # Redis down: they lapse on their own
-                log.warning("in-flight slot pools not given back at shutdown: %r", exc)
+            for what, give_back in (("quota leases", admission.aclose_leases),
+                                    ("in-flight slot pools", concurrency.aclose)):
+                try:
+                    given_back = await give_back()
+                    if given_back:
+                        log.info("gave back %d %s at shutdown", given_back, what)
+                except Exception as exc:  # Redis down: they expire on their own
+                    log.warning("%s not given back at shutdown: %r", what, exc)
             await send({"type": "lifespan.shutdown.complete"})
             return
