@@ -18,8 +18,8 @@ not money.
 
 **Pools.** A slot taken and given back in Redis costs every request two round trips (one of
 them before the body is read, on its time to first token) and the one Redis thread two
-commands. So a busy organization's slots are taken ahead: once ``DEMAND`` of its requests
-reach a process within ``DEMAND_S``, the acquire that goes to Redis also adds up to
+commands. So a busy organization's slots are taken ahead: once it is busy in a process
+(``plans.demand``: 4 requests within 0.1 s), the acquire that goes to Redis also adds up to
 ``ORG_CONCURRENCY_POOL_MAX`` (at most 1/16 of the limit) members named for the process's pool,
 and only when at least half the limit stays free after them; the process then hands those
 members to its requests and takes them back itself. They are real members of the set,
@@ -48,6 +48,7 @@ from redis.exceptions import NoScriptError
 from billing_platform.errors import RateLimited
 from billing_platform.redis_conn import get_pipelined
 from plans.admission.policy import inflight_key
+from plans.demand import BUSY, Demand
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ return 1
 """
 _shas: dict[str, str] = {}
 
-DEMAND = 4  # requests of one organization within DEMAND_S that make a process take a pool
-DEMAND_S = 0.1
 IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
 CHECK_S = 0.5  # how often a pool is looked at (idle, due for renewal)
 
@@ -122,7 +121,7 @@ class Slot:
 
 
 _pools: dict[int, _Pool] = {}
-_demand: dict[int, list[float]] = {}  # org -> [window start, count, previous window's count]
+_demand: dict[int, Demand] = {}
 _tasks: set[asyncio.Task[None]] = set()  # pool give-backs and renewals under way
 _asking: set[int] = set()  # organizations a call is adding pool members for
 
@@ -154,17 +153,13 @@ def _wanted(org_id: int, limit: int) -> int:
     size = min(settings.ORG_CONCURRENCY_POOL_MAX, limit // 16)
     if size < 2:
         return 0
-    now = time.monotonic()
     demand = _demand.get(org_id)
     if demand is None:
         if len(_demand) >= 10_000:  # quiet organizations are forgotten
             _demand.clear()
-        demand = _demand[org_id] = [now, 0, 0]
-    if now - demand[0] >= DEMAND_S:
-        demand[2] = demand[1] if now - demand[0] < 2 * DEMAND_S else 0
-        demand[0], demand[1] = now, 0
-    demand[1] += 1
-    if max(demand[1], demand[2]) < DEMAND:
+        demand = _demand[org_id] = Demand()
+    demand.add(time.monotonic())
+    if demand.level < BUSY:
         return 0
     if org_id in _asking:  # one call at a time adds to an organization's pool
         return 0
@@ -175,12 +170,11 @@ def _wanted(org_id: int, limit: int) -> int:
 def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
     """Record the members a call added for the process's pool of the organization."""
     now = time.monotonic()
-    pool = _pools.get(org_id)
+    pool = old = _pools.get(org_id)
     if pool is None or pool.limit != limit:
-        pool = _Pool(org_id=org_id, limit=limit, members=set(), free=[],
-                     renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now)
-        old = _pools.get(org_id)
-        _pools[org_id] = pool
+        pool = _pools[org_id] = _Pool(
+            org_id=org_id, limit=limit, members=set(), free=[],
+            renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now)
         if old is not None:
             _spawn(_give_back(old))
         asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
@@ -250,7 +244,7 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
         _asking.add(org_id)
     try:
         raw = await _run(ACQUIRE_LUA, [inflight_key(org_id)],
-                         [_lease_ms(), limit, request_id, name, max(wanted, 0)])
+                         [_lease_ms(), limit, request_id, name, wanted])
     except redis.RedisError as exc:
         log.warning("concurrency limit skipped for %s: Redis unavailable (%r)", request_id, exc)
         return None

@@ -38,8 +38,8 @@ What it keeps exact:
 
 Only policies without a token plan's window or provisioned capacity lease (those count every
 request against shared per-minute state), and only one without an end user's budget (a rule of
-its own per request). A policy leases once at least ``LEASE_MIN_DEMAND`` of its admissions
-arrive within ``DEMAND_S``, for a second's worth at that rate (at most ``LEASE_MAX``).
+its own per request). A policy leases once it is busy (``plans.demand``: at least 4 of its
+admissions within 0.1 s), for a second's worth at that rate (at most ``LEASE_MAX``).
 """
 
 from __future__ import annotations
@@ -57,11 +57,10 @@ from django.conf import settings
 from plans.admission.decision import Ticket, admit_frame, budget_amounts, rate_headers
 from plans.admission.policy import QuotaPolicy, month_tag
 from plans.admission.wire import Frame, Op, bulk, ints
+from plans.demand import BUSY, WINDOW_S, Demand
 
 LEASE_MAX = settings.QUOTA_LEASE_MAX  # TOLLGATE_QUOTA_LEASE_MAX; 0: no leases
 LEASE_MIN = 8  # the script's LEASE_MIN: no lease is smaller (a smaller LEASE_MAX: none at all)
-LEASE_MIN_DEMAND = 4
-DEMAND_S = 0.1
 # A lease's local deadline is this much before the end of its Redis second: the answer reaches
 # the process after the script ran, and a busy loop runs timers late.
 DEADLINE_MARGIN_S = 0.01
@@ -219,13 +218,13 @@ class Lease:
 class _Slot:
     """A policy's lease and the demand that decides whether it leases (kept on the policy)."""
 
-    __slots__ = ("acquiring", "count", "lease", "prev", "quiet_until", "since")
+    __slots__ = ("acquiring", "demand", "lease", "quiet_until")
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
         self.acquiring: asyncio.Future[Any] | None = None  # a lease admission's answer
-        self.since = self.quiet_until = 0.0
-        self.count = self.prev = 0
+        self.quiet_until = 0.0
+        self.demand = Demand()
 
 
 def leasable(p: QuotaPolicy) -> bool:
@@ -248,10 +247,7 @@ def take(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: i
     if slot is None:
         slot = policy.__dict__["_lease_slot"] = _Slot()
     now = time.monotonic()
-    if now - slot.since >= DEMAND_S:
-        slot.prev = slot.count if now - slot.since < 2 * DEMAND_S else 0
-        slot.since, slot.count = now, 0
-    slot.count += 1
+    slot.demand.add(now)
     lease = slot.lease
     if lease is None:
         return None
@@ -272,11 +268,11 @@ async def acquire(policy: QuotaPolicy, request_id: str, tier: str, zone: str, es
     slot: _Slot = policy.__dict__["_lease_slot"]
     for _attempt in range(3):
         if slot.acquiring is None:
-            demand = max(slot.count, slot.prev)
-            if demand < LEASE_MIN_DEMAND or time.monotonic() < slot.quiet_until:
+            demand = slot.demand.level
+            if demand < BUSY or time.monotonic() < slot.quiet_until:
                 return None
             month, uid = month_tag(), f"lease_{uuid.uuid4().hex}"
-            want = min(LEASE_MAX, demand * round(1 / DEMAND_S))
+            want = min(LEASE_MAX, demand * round(1 / WINDOW_S))
             future = submit(admit_frame(policy, month, "l").op(
                 bulk(uid) + ints([estimate, want, *worst])))
             # The lease is recorded by the answer's callback, first of all that wait for it,
