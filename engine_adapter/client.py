@@ -103,7 +103,7 @@ class EngineClient:
         For callers that act on load many times a second (the batch runner): the health
         loop's last scrape is seconds old. An engine that does not answer in ``timeout`` is
         None (no room there). The running cap comes from /get_server_info the first time an
-        engine's metrics lack it (SGLang's do).
+        engine's metrics lack it (SGLang's do), and again after a scrape of it failed.
         """
         async def one(engine: EngineInfo) -> EngineLoad | None:
             try:
@@ -115,6 +115,8 @@ class EngineClient:
                         cap = self._max_running[engine.url] = int(
                             info.get("max_running_requests") or 0) or None
             except (TimeoutError, http11.TransportError, ValueError, AttributeError):
+                # asked afresh once it answers: it may come back relaunched with another cap
+                self._max_running.pop(engine.url, None)
                 return None
             return EngineLoad.from_metrics(raw, max_running=cap)
 

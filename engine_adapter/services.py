@@ -259,27 +259,25 @@ def _probe(url: str, timeout: float) -> _Probe:
     return _Probe(ok, error, load, counters, at)
 
 
-_max_running: dict[str, int] = {}  # engine URL -> its running cap (fixed at its launch)
-
-
 def _capacity_figures(url: str, load: dict[str, float], counters: EngineCounters | None,
                       timeout: float) -> None:
     """Add to a scraped load what a pool's capacity is reckoned from: the running cap
-    (SGLang's /metrics lacks it: /get_server_info says it, asked once per engine URL) and one
-    running request's decode rate, the reciprocal of the engine's mean time per output token
-    (its own counters, over its life). The gateway holds reserved capacity back with them
-    (``billing_platform.gateway.capacity``)."""
+    (SGLang's /metrics lacks it: /get_server_info says it) and one running request's decode
+    rate, the reciprocal of the engine's mean time per output token (its own counters, over
+    its life). The gateway holds reserved capacity back with them
+    (``billing_platform.gateway.capacity``).
+
+    The cap is asked on every probe, not remembered per URL: an engine relaunched at the
+    same address with another ``--max-running-requests`` would otherwise keep its old cap
+    (one more small GET per engine per probe interval).
+    """
     if not load.get("max_running"):
-        cap = _max_running.get(url)
-        if cap is None:
-            info = httpx.get(f"{url}/get_server_info", timeout=timeout)
-            try:
-                cap = int(info.json().get("max_running_requests") or 0) if (
-                    info.status_code == 200) else 0
-            except (ValueError, AttributeError, TypeError):
-                cap = 0  # an engine that does not say: the gateway assumes a default
-            if cap:
-                _max_running[url] = cap
+        info = httpx.get(f"{url}/get_server_info", timeout=timeout)
+        try:
+            cap = int(info.json().get("max_running_requests") or 0) if (
+                info.status_code == 200) else 0
+        except (ValueError, AttributeError, TypeError):
+            cap = 0  # an engine that does not say: the gateway assumes a default
         if cap:
             load["max_running"] = float(cap)
     if counters is not None and counters.tpot_requests and counters.tpot_seconds > 0:

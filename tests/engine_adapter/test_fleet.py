@@ -212,6 +212,29 @@ def test_hung_external_engine_leaves_routing_and_rejoins_when_it_recovers(
     assert set(_chat_on(fleet, 4)) == {"ext-0", "ext-1"}
 
 
+def test_an_engine_relaunched_at_the_same_address_reports_its_new_running_cap(
+        tmp_path, monkeypatch, sim_factory):
+    # given an external engine with 4 running slots, probed once (its cap recorded)
+    monkeypatch.setenv("TOLLGATE_ROOT", str(tmp_path))
+    first = sim_factory(served_model_name="small", max_running_requests=4, **FAST_RATES)
+    spec = tmp_path / "external.toml"
+    spec.write_text('[regions]\nus-east = "us"\n[[pools]]\nname = "ext"\nmodel = "small"\n'
+                    f'region = "us-east"\nlaunch = "external"\nexternal_urls = '
+                    f'["{first.base_url}"]\n')
+    call_command("fleet", "up", "--spec", str(spec), stdout=StringIO())
+    tasks.fleet_health_check()
+    assert EngineInstance.objects.get(engine_id="ext-0").load["max_running"] == 4
+
+    # when its operator relaunches it on the same port with 2 slots
+    first.stop()
+    sim_factory(served_model_name="small", port=first.port, max_running_requests=2,
+                **FAST_RATES)
+
+    # then the next probe records 2: reserved capacity is reckoned from what the engine runs
+    tasks.fleet_health_check()
+    assert EngineInstance.objects.get(engine_id="ext-0").load["max_running"] == 2
+
+
 def _unmanaged() -> dict[str, float]:
     family = next(f for f in EngineCollector().collect()
                   if f.name == "tollgate_engine_unhealthy_unmanaged")
