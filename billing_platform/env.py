@@ -163,6 +163,9 @@ ORG_CONCURRENCY_LEASE_S: float = env.float("TOLLGATE_ORG_CONCURRENCY_LEASE_S", d
 # A busy organization's slots a web process takes ahead in one script call and hands out
 # itself (plans/concurrency.py): at most this many, and at most 1/16 of the limit; 0: none.
 ORG_CONCURRENCY_POOL_MAX: int = env.int("TOLLGATE_ORG_CONCURRENCY_POOL_MAX", default=16)
+# A web process keeps the API-key entries it read from Redis while Redis tells it of every
+# change (client-side caching, accounts/keycache.py): a busy key costs no Redis read. 0: off.
+API_KEY_NEAR_CACHE: bool = env.bool("TOLLGATE_API_KEY_NEAR_CACHE", default=True)
 # Batch execution: seconds a claimed chunk of lines stays leased to one worker; after that a
 # dead worker's lines are claimed again.
 BATCH_LEASE_S: float = env.float("TOLLGATE_BATCH_LEASE_S", default=120.0)

@@ -23,6 +23,7 @@ import collections
 import functools
 import ssl
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import hiredis
@@ -256,13 +257,16 @@ class _Replies(asyncio.Protocol):
 
     def _answer(self) -> None:
         while (reply := self.reader.gets()) is not False:
-            waiter = self.waiters.popleft()[0]
-            if waiter.done():
-                continue  # its caller gave up (cancelled); the reply is dropped in order
-            if isinstance(reply, redis.exceptions.ResponseError):
-                waiter.set_exception(_error(str(reply)))
-            else:
-                waiter.set_result(reply)
+            self._reply(reply)
+
+    def _reply(self, reply: Any) -> None:
+        waiter = self.waiters.popleft()[0]
+        if waiter.done():
+            return  # its caller gave up (cancelled); the reply is dropped in order
+        if isinstance(reply, redis.exceptions.ResponseError):
+            waiter.set_exception(_error(str(reply)))
+        else:
+            waiter.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = redis.exceptions.ConnectionError(
@@ -304,9 +308,11 @@ class PipelinedConnection:
     drops the connection (its state is unknown).
     """
 
-    def __init__(self, url: str, *, timeout: float = 2.0, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 2.0, connect_timeout: float = 2.0,
+                 protocol: Callable[[float], _Replies] = _Replies) -> None:
         self.options = aioredis.connection.parse_url(url)
         self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.make_protocol = protocol  # called with the timeout for each new connection
         self.protocol: _Replies | None = None
         self.connecting: asyncio.Future | None = None
 
@@ -350,7 +356,7 @@ class PipelinedConnection:
         timeout = self.timeout
 
         def replies() -> _Replies:
-            return _Replies(timeout)
+            return self.make_protocol(timeout)
 
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -400,6 +406,71 @@ class PipelinedConnection:
         result = await self._send(protocol, b"*1\r\n$6\r\nASKING\r\n" + command, name)
         asking.result()  # ASKING's own error, if any (answered before the command's)
         return result
+
+
+class _Invalidations(_Replies):
+    """A connection whose client-tracking invalidations are redirected to itself (RESP2: as
+    messages on ``__redis__:invalidate``), handed to ``on_keys`` as they are read."""
+
+    def __init__(self, timeout: float, on_keys: Callable[[list[str] | None], None],
+                 on_lost: Callable[[], None]) -> None:
+        super().__init__(timeout)
+        self.on_keys, self.on_lost = on_keys, on_lost
+
+    def _reply(self, reply: Any) -> None:
+        if isinstance(reply, list) and len(reply) == 3 and reply[0] == "message":
+            self.on_keys(reply[2])  # the changed keys; None: a database was flushed
+        else:
+            super()._reply(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.on_lost()
+
+
+class Invalidations:
+    """Redis's word on which keys under ``prefixes`` changed, for a process's own copy of them
+    (client-side caching: ``CLIENT TRACKING ... BCAST``, redirected to this connection).
+
+    ``on_keys`` is called, on the loop, with the keys each change names (None: a database was
+    flushed); ``on_lost`` once when the connection is lost: from then on nothing tells the
+    copy about changes, so it must be dropped. A lost connection is not reopened here (a new
+    one would not track); open another ``Invalidations``. ``alive`` pings it every
+    ``ping_s`` and loses it when a ping is not answered within ``ping_s``, so a connection
+    that went silent (no reset) is noticed within two pings.
+    """
+
+    def __init__(self, url: str, prefixes: list[str], *,
+                 on_keys: Callable[[list[str] | None], None], on_lost: Callable[[], None],
+                 ping_s: float = 1.0) -> None:
+        self.prefixes, self.ping_s = prefixes, ping_s
+        self.connection = PipelinedConnection(
+            url, timeout=ping_s, connect_timeout=ping_s,
+            protocol=lambda timeout: _Invalidations(timeout, on_keys, on_lost))
+
+    async def open(self) -> None:
+        """Connect, track the prefixes and subscribe; raise ``RedisError`` when it fails."""
+        client_id = await self.connection.execute("CLIENT", "ID")
+        await self.connection.execute(
+            "CLIENT", "TRACKING", "ON", "REDIRECT", client_id, "BCAST",
+            *[word for prefix in self.prefixes for word in ("PREFIX", prefix)])
+        await self.connection.execute("SUBSCRIBE", "__redis__:invalidate")
+
+    async def alive(self) -> None:
+        """Ping until the connection is lost (then return)."""
+        protocol = self.connection.protocol
+        while protocol is not None and protocol.lost is None:
+            await asyncio.sleep(self.ping_s)
+            if protocol.lost is not None:
+                break
+            try:  # on this connection only: execute would open a new one, not tracking
+                await self.connection._send(protocol, b"*1\r\n$4\r\nPING\r\n", "PING")
+            except redis.exceptions.RedisError:
+                break  # a late answer aborted the connection: on_lost has run
+        self.close()
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 class Pipelined(Protocol):

@@ -250,6 +250,7 @@ API_KEY_CACHE_TTL_S = 300
 # A prefix no key has is cached this long (a client repeating a deleted or made-up key costs
 # no query); failed authentications on /v1 are throttled per client address.
 API_KEY_NEGATIVE_CACHE_TTL_S = 60
+API_KEY_NEAR_CACHE = E.API_KEY_NEAR_CACHE  # each web process's own copy (keycache._Near)
 AUTH_FAILURE_LIMIT = E.AUTH_FAILURE_LIMIT
 AUTH_FAILURE_WINDOW_S = E.AUTH_FAILURE_WINDOW_S
 

@@ -18,6 +18,10 @@ runs after the commit, removes the token and writes a fresh marker. If ``hold`` 
 Redis the change fails (the caller's transaction rolls back); if ``release`` cannot, the token
 stays until it expires and lookups keep reading the database meanwhile. Either way a revoked
 key is never served from a stale cache entry.
+
+The gateway's processes each keep a near copy of the entries they read (``_Near``), served
+only while Redis tells the process of every change to them: ``hold``'s write drops every
+process's copy before the change commits, so the above holds for them too.
 """
 
 from __future__ import annotations
@@ -28,12 +32,19 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from typing import Any, cast
 
 import redis
 from django.conf import settings
 
-from billing_platform.redis_conn import cluster_url, get_aredis, get_pipelined, get_redis
+from billing_platform.redis_conn import (
+    Invalidations,
+    cluster_url,
+    get_aredis,
+    get_pipelined,
+    get_redis,
+)
 
 # KEYS: entry, changing set. ARGV: marker seen ('' for none), payload, ttl.
 _FILL = """
@@ -73,6 +84,9 @@ def cache_key(prefix: str) -> str:
     return f"tg:apikey:{{{prefix}}}"
 
 
+TRACKED_PREFIX = "tg:apikey:{"  # every cache_key and changing_key (not LAST_USED_HASH)
+
+
 def changing_key(prefix: str) -> str:
     return f"tg:apikey:{{{prefix}}}:changing"
 
@@ -94,9 +108,164 @@ def read(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
     return _decode(cast("str | None", get_redis().get(cache_key(prefix))))
 
 
-async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Async ``read`` for the gateway (every request: on the pipelined connection)."""
-    return _decode(await get_pipelined().execute("GET", cache_key(prefix)))
+async def aread(prefix: str) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """Async ``read`` for the gateway: ``(entry, marker, near)``, from this process's near
+    copy (``_Near``; ``near`` True) when it has the key, else a GET on the pipelined
+    connection (every miss)."""
+    key = cache_key(prefix)
+    near = _near()
+    if near is None:
+        return *_decode(await get_pipelined().execute("GET", key)), False
+    hit = near.get(key)
+    if hit is not None:
+        return hit, None, True
+    epoch = near.epoch
+    entry, marker = _decode(await get_pipelined().execute("GET", key))
+    if entry:  # a key's entry (not UNKNOWN, not a marker)
+        near.put(key, entry, epoch)
+    return entry, marker, False
+
+
+class _Near:
+    """The API-key entries this process read from Redis, kept while Redis tells it of every
+    change to them (``redis_conn.Invalidations``: client-side caching), so that a busy key's
+    request costs no Redis round trip (~0.2-0.3 ms of its time to first token at concurrency
+    1, most of its authentication; ``bench/gateway.py``).
+
+    What keeps it exact: every change to a key (``hold``, ``release``, a fill, the entry's
+    expiry, a flush) writes or deletes the key's Redis entry, and Redis sends the key's name
+    to every tracking connection before it next sleeps, while the writer's change is still
+    to commit (``hold`` runs before the commit). The name is read and the copy dropped in the
+    read's own callback, before any request read on the same loop turn can run, so a request
+    that arrives after a revocation committed finds no copy. A copy is stored only when no
+    change to its key (nor a flush, nor a lost connection) was heard between its GET being
+    issued and answered. While the connection is not up (at start, after it is lost, Redis
+    restarted or unreachable, or a ping unanswered for ``PING_S``) nothing is served from
+    the copy and it is emptied: every read goes to Redis, as before. A copy lives at most
+    ``NEAR_TTL_S`` (a change made around ``api_key_cache_refresh``, straight in the database,
+    reaches the gateway then at the latest, as one reaching Redis's entry does after its
+    TTL); expiry and revocation times are checked on every request (``KeyPrincipal.usable``).
+    Unknown prefixes are not kept (each costs a read, as before). Off on a Redis Cluster
+    (tracking is per node) and with ``TOLLGATE_API_KEY_NEAR_CACHE=0``.
+    """
+
+    PING_S = 1.0
+    RETRY_S = 1.0  # after a failed connect, reads go to Redis this long before the next try
+    MAX_ENTRIES = 100_000  # past this the copy is emptied (it refills with the keys in use)
+    MAX_HEARD = 10_000  # keys heard changed remembered for reads in flight (then: a flush)
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[dict[str, Any], float]] = {}
+        self.live = False  # the tracking connection is up: entries may be served
+        self.epoch = 0  # the number of changes heard
+        self.flushed = 0  # the epoch of the last flush (reads begun before it store nothing)
+        self.heard: dict[str, int] = {}  # key -> the epoch its last change was heard at
+        self.tracker: Invalidations | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.retry_at = 0.0
+        self.failing = False
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        if not self.live:
+            self._start()
+            return None
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        if hit[1] < time.monotonic():
+            del self.entries[key]
+            return None
+        return hit[0]
+
+    def put(self, key: str, entry: dict[str, Any], epoch: int) -> None:
+        """Keep ``entry``, read by a GET issued at ``epoch``, unless its key changed since."""
+        if self.live and self.flushed <= epoch and self.heard.get(key, 0) <= epoch:
+            if len(self.entries) >= self.MAX_ENTRIES:
+                self.entries.clear()
+            self.entries[key] = (entry, time.monotonic() + NEAR_TTL_S)
+
+    def changed(self, keys: list[str] | None) -> None:
+        self.epoch += 1
+        if keys is None or len(self.heard) + len(keys) > self.MAX_HEARD:
+            self._flush()
+            return
+        for key in keys:
+            self.entries.pop(key, None)
+            self.heard[key] = self.epoch
+
+    def _flush(self) -> None:
+        self.epoch += 1
+        self.flushed = self.epoch
+        self.entries.clear()
+        self.heard.clear()
+
+    def lost(self) -> None:
+        self.live = False
+        self._flush()
+
+    def _start(self) -> None:
+        if self.task is not None or time.monotonic() < self.retry_at:
+            return
+        self.task = asyncio.get_running_loop().create_task(self._track())
+        self.task.add_done_callback(self._ended)
+
+    async def _track(self) -> None:
+        tracker = self.tracker = Invalidations(
+            settings.REDIS_URL, [TRACKED_PREFIX], on_keys=self.changed, on_lost=self.lost,
+            ping_s=self.PING_S)
+        try:
+            await tracker.open()
+        except redis.RedisError as exc:
+            tracker.close()
+            if not self.failing:
+                log.warning("API key near cache: cannot track changes (%r); every request "
+                            "reads the key from Redis until it can", exc)
+                self.failing = True
+            return
+        if self.failing:
+            log.warning("API key near cache: tracking changes again")
+            self.failing = False
+        self._flush()
+        self.live = True
+        await tracker.alive()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self.lost()
+        self.task = self.tracker = None
+        self.retry_at = time.monotonic() + self.RETRY_S
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("API key near cache stopped: %r", task.exception())
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+NEAR_TTL_S = 30.0
+_nears: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Near] = (
+    weakref.WeakKeyDictionary())
+
+
+def _near() -> _Near | None:
+    """The running loop's near copy; None when it is off (setting, or a Redis Cluster)."""
+    if not settings.API_KEY_NEAR_CACHE or cluster_url():
+        return None
+    loop = asyncio.get_running_loop()
+    near = _nears.get(loop)
+    if near is None:
+        near = _nears[loop] = _Near()
+    return near
+
+
+async def aclose_near() -> int:
+    """Stop the running loop's near copy (its tracking connection); return 0 (nothing to
+    give back: the ASGI lifespan's shutdown)."""
+    near = _nears.pop(asyncio.get_running_loop(), None)
+    if near is not None:
+        near.close()
+    return 0
 
 
 def _value(entry: dict[str, Any] | None) -> tuple[str, int]:

@@ -11,7 +11,8 @@ from prometheus_client import Counter
 
 KEY_LOOKUPS = Counter(
     "tollgate_api_key_lookups_total",
-    "API-key lookups, by where they were answered: cache (a cached key), negative_cache (a "
-    "cached 'no such key'), database (a PostgreSQL query).", ["source"])
-for _source in ("cache", "negative_cache", "database"):
+    "API-key lookups, by where they were answered: near (the web process's own copy of the "
+    "cache), cache (a key cached in Redis), negative_cache (a cached 'no such key'), database "
+    "(a PostgreSQL query).", ["source"])
+for _source in ("near", "cache", "negative_cache", "database"):
     KEY_LOOKUPS.labels(_source)

@@ -103,11 +103,11 @@ def api_key_principal(*, key_id: int) -> KeyPrincipal | None:
     return KeyPrincipal.from_key(key) if key else None
 
 
-def _from_cache(cached: dict[str, Any]) -> KeyPrincipal | None:
+def _from_cache(cached: dict[str, Any], *, near: bool = False) -> KeyPrincipal | None:
     if cached is keycache.UNKNOWN:
         KEY_LOOKUPS.labels("negative_cache").inc()
         return None
-    KEY_LOOKUPS.labels("cache").inc()
+    KEY_LOOKUPS.labels("near" if near else "cache").inc()
     return KeyPrincipal.from_json(cached)
 
 
@@ -150,8 +150,8 @@ def api_key_authenticate(raw: str) -> KeyPrincipal | None:
     return verified
 
 
-async def _aread(prefix: str) -> tuple[dict[str, Any] | None, str | None] | None:
-    """Return the key cache's ``(entry, marker)``; None when the cache cannot be read."""
+async def _aread(prefix: str) -> tuple[dict[str, Any] | None, str | None, bool] | None:
+    """Return the key cache's ``(entry, marker, near)``; None when it cannot be read."""
     try:
         return await keycache.aread(prefix)
     except redis.RedisError:
@@ -166,16 +166,17 @@ async def aapi_key_authenticate(raw: str, *, client_address: str | None = None
     throttled (``auth_throttle``) only a key that verifies from the cache gets through:
     anything that would take a database lookup, or fails, raises ``RateLimited`` instead.
     So a key that verifies from the cache (nearly every request) costs one Redis read and
-    nothing else; the throttle is read only on the way to a lookup or a failure. (Reading it
-    beside the cache entry, in the same round trip, cost every request a second command and
-    the two tasks that awaited them: ~25 us of CPU of the ~65 us the two took.)
+    nothing else (no read from the process's near copy, ``keycache._Near``); the throttle is
+    read only on the way to a lookup or a failure. (Reading it beside the cache entry, in the
+    same round trip, cost every request a second command and the two tasks that awaited
+    them: ~25 us of CPU of the ~65 us the two took.)
     """
     match = KEY_RE.match(raw.strip())
     prefix, secret = (match["prefix"], match["secret"]) if match else ("", "")
     read_at = time.monotonic()
     read = await _aread(prefix) if match else None
-    entry = read[0] if read is not None else None
-    verified = _verify(_from_cache(entry), secret) if entry is not None else None
+    entry, near = (read[0], read[2]) if read is not None else (None, False)
+    verified = _verify(_from_cache(entry, near=near), secret) if entry is not None else None
     if verified is None:
         retry_after = (await auth_throttle.aretry_after(client_address) if client_address
                        else None)

@@ -38,6 +38,7 @@ from django.db import DatabaseError
 from django.http import HttpResponseBase
 from django.urls import Resolver404, get_resolver
 
+from billing_platform.accounts import keycache
 from billing_platform.errors import NotFound
 from billing_platform.gateway import db_connections
 from billing_platform.gateway.bodies import ClientGone, GatewayRequest
@@ -202,14 +203,16 @@ async def lifespan(receive: Any, send: Any) -> None:
     """Serve the ASGI lifespan protocol: at shutdown (after uvicorn has let the requests in
     flight finish), give back the quota leases and in-flight slot pools this process holds, so
     that what they hold unused is counted and reserved no more (a process that dies without it
-    leaves them to expire, as a crashed request's reservation and slots do)."""
+    leaves them to expire, as a crashed request's reservation and slots do), and close the
+    API-key near cache's tracking connection."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             for what, give_back in (("quota leases", admission.aclose_leases),
-                                    ("in-flight slot pools", concurrency.aclose)):
+                                    ("in-flight slot pools", concurrency.aclose),
+                                    ("API key near cache", keycache.aclose_near)):
                 try:
                     given_back = await give_back()
                     if given_back:

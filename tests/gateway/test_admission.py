@@ -3,10 +3,10 @@ balancer), one real Redis, simulated engines.
 
 Limits hold exactly across processes because the check and the reservation are one Lua step;
 a hard budget is never exceeded because each request reserves its worst case first; a key
-revoked through the API is refused by every process at once (the key cache lives in Redis,
-never in a process); a conversation keeps its engine's KV cache whichever process each turn
-lands on (the router's rendezvous fallback); a crashed gateway's reservations expire on their
-own.
+revoked through the API is refused by every process at once (the key cache lives in Redis;
+a process's near copy of it is dropped as Redis tells of the change, before it commits); a
+conversation keeps its engine's KV cache whichever process each turn lands on (the router's
+rendezvous fallback); a crashed gateway's reservations expire on their own.
 """
 
 from __future__ import annotations
@@ -219,6 +219,37 @@ def test_a_key_revoked_through_the_api_is_refused_by_all_four_processes_at_once(
     assert revoked.status_code == 200, revoked.text
 
     # then the very next request is refused by every process, not only the one that revoked it
+    refused = [_post(g, secret, max_tokens=1) for g in gateways]
+    assert [r.status_code for r in refused] == [401] * 4
+    assert {r.json()["error"]["code"] for r in refused} == {"invalid_api_key"}
+
+
+def _near_reads(gateway) -> float:
+    scrape = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines()
+               if line.startswith('tollgate_api_key_lookups_total{source="near"}'))
+
+
+def test_a_key_every_process_serves_from_its_near_copy_is_refused_by_all_at_once(gateways):
+    # given a key each of the four processes serves from its own near copy (no Redis read)
+    org, project, key, secret = _org_key()
+    _admin, admin_secret = make_key(project=project, scopes=["admin"])
+    for g in gateways:
+        before = _near_reads(g)
+        def served_near(g=g, before=before) -> bool:
+            return (_post(g, secret, max_tokens=1).status_code == 200
+                    and _near_reads(g) > before)
+
+        assert wait_until(served_near, timeout=10,
+                          what="the process to serve the key from its near copy")
+
+    # when an admin revokes it through the management API, on one of the processes
+    revoke = (f"{gateways[0].url}/api/v1/organizations/{org.public_id}/projects/"
+              f"{project.public_id}/api_keys/{key.public_id}/revoke/")
+    revoked = httpx.post(revoke, headers={"Authorization": f"Bearer {admin_secret}"}, timeout=30)
+    assert revoked.status_code == 200, revoked.text
+
+    # then the very next request is refused by every process: no copy outlived the change
     refused = [_post(g, secret, max_tokens=1) for g in gateways]
     assert [r.status_code for r in refused] == [401] * 4
     assert {r.json()["error"]["code"] for r in refused} == {"invalid_api_key"}
