@@ -206,22 +206,30 @@ def test_a_killed_requests_reservation_is_released_within_its_ttl(gateways):
     assert get_redis().zcard(admission.reservations_key(org.id)) == 0
 
 
-def test_a_key_revoked_through_the_api_is_refused_by_all_four_processes_at_once(gateways):
-    # given a key each of the four processes has just served (so each has looked it up)
-    org, project, key, secret = _org_key()
+def _revoke_through_the_api(gateway, org, project, key) -> None:
     _admin, admin_secret = make_key(project=project, scopes=["admin"])
-    assert [_post(g, secret, max_tokens=1).status_code for g in gateways] == [200] * 4
-
-    # when an admin revokes it through the management API, on one of the processes
-    revoke = (f"{gateways[0].url}/api/v1/organizations/{org.public_id}/projects/"
+    revoke = (f"{gateway.url}/api/v1/organizations/{org.public_id}/projects/"
               f"{project.public_id}/api_keys/{key.public_id}/revoke/")
     revoked = httpx.post(revoke, headers={"Authorization": f"Bearer {admin_secret}"}, timeout=30)
     assert revoked.status_code == 200, revoked.text
 
-    # then the very next request is refused by every process, not only the one that revoked it
+
+def _assert_refused_by_all(gateways, secret: str) -> None:
     refused = [_post(g, secret, max_tokens=1) for g in gateways]
-    assert [r.status_code for r in refused] == [401] * 4
+    assert [r.status_code for r in refused] == [401] * len(gateways)
     assert {r.json()["error"]["code"] for r in refused} == {"invalid_api_key"}
+
+
+def test_a_key_revoked_through_the_api_is_refused_by_all_four_processes_at_once(gateways):
+    # given a key each of the four processes has just served (so each has looked it up)
+    org, project, key, secret = _org_key()
+    assert [_post(g, secret, max_tokens=1).status_code for g in gateways] == [200] * 4
+
+    # when an admin revokes it through the management API, on one of the processes
+    _revoke_through_the_api(gateways[0], org, project, key)
+
+    # then the very next request is refused by every process, not only the one that revoked it
+    _assert_refused_by_all(gateways, secret)
 
 
 def _near_reads(gateway) -> float:
@@ -233,9 +241,9 @@ def _near_reads(gateway) -> float:
 def test_a_key_every_process_serves_from_its_near_copy_is_refused_by_all_at_once(gateways):
     # given a key each of the four processes serves from its own near copy (no Redis read)
     org, project, key, secret = _org_key()
-    _admin, admin_secret = make_key(project=project, scopes=["admin"])
     for g in gateways:
         before = _near_reads(g)
+
         def served_near(g=g, before=before) -> bool:
             return (_post(g, secret, max_tokens=1).status_code == 200
                     and _near_reads(g) > before)
@@ -244,15 +252,10 @@ def test_a_key_every_process_serves_from_its_near_copy_is_refused_by_all_at_once
                           what="the process to serve the key from its near copy")
 
     # when an admin revokes it through the management API, on one of the processes
-    revoke = (f"{gateways[0].url}/api/v1/organizations/{org.public_id}/projects/"
-              f"{project.public_id}/api_keys/{key.public_id}/revoke/")
-    revoked = httpx.post(revoke, headers={"Authorization": f"Bearer {admin_secret}"}, timeout=30)
-    assert revoked.status_code == 200, revoked.text
+    _revoke_through_the_api(gateways[0], org, project, key)
 
     # then the very next request is refused by every process: no copy outlived the change
-    refused = [_post(g, secret, max_tokens=1) for g in gateways]
-    assert [r.status_code for r in refused] == [401] * 4
-    assert {r.json()["error"]["code"] for r in refused} == {"invalid_api_key"}
+    _assert_refused_by_all(gateways, secret)
 
 
 def test_a_conversation_keeps_its_engines_cache_whichever_process_each_turn_lands_on(gateways):
