@@ -42,7 +42,6 @@ field.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from django.db import DatabaseError
 
 from billing_platform.accounts.selectors import KeyPrincipal
@@ -299,9 +299,11 @@ def _finish(reason: Any) -> str | None:
 
 
 def _sse(kind: str, seq: int, data: dict[str, Any]) -> bytes:
-    payload = json.dumps({"type": kind, "sequence_number": seq, **data},
-                         separators=(",", ":"))
-    return f"event: {kind}\ndata: {payload}\n\n".encode()
+    """One server-sent event; an event per token, so orjson (json.dumps was ~3 % of the
+    gateway's busy CPU streaming this surface), UTF-8 as chat's frames are."""
+    payload = orjson.dumps({"type": kind, "sequence_number": seq, **data},
+                           option=orjson.OPT_NON_STR_KEYS)
+    return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
 
 
 class ResponsesSurface(Surface):
