@@ -142,13 +142,14 @@ class _Near:
     issued and answered. While the connection is not up (at start, after it is lost, Redis
     restarted or unreachable, or a ping unanswered for ``PING_S``) nothing is served from
     the copy and it is emptied: every read goes to Redis, as before. A copy lives at most
-    ``NEAR_TTL_S`` (a change made around ``api_key_cache_refresh``, straight in the database,
+    ``TTL_S`` (a change made around ``api_key_cache_refresh``, straight in the database,
     reaches the gateway then at the latest, as one reaching Redis's entry does after its
     TTL); expiry and revocation times are checked on every request (``KeyPrincipal.usable``).
     Unknown prefixes are not kept (each costs a read, as before). Off on a Redis Cluster
     (tracking is per node) and with ``TOLLGATE_API_KEY_NEAR_CACHE=0``.
     """
 
+    TTL_S = 30.0  # the longest a copy is served
     PING_S = 1.0
     RETRY_S = 1.0  # after a failed connect, reads go to Redis this long before the next try
     MAX_ENTRIES = 100_000  # past this the copy is emptied (it refills with the keys in use)
@@ -182,7 +183,7 @@ class _Near:
         if self.live and self.flushed <= epoch and self.heard.get(key, 0) <= epoch:
             if len(self.entries) >= self.MAX_ENTRIES:
                 self.entries.clear()
-            self.entries[key] = (entry, time.monotonic() + NEAR_TTL_S)
+            self.entries[key] = (entry, time.monotonic() + self.TTL_S)
 
     def changed(self, keys: list[str] | None) -> None:
         self.epoch += 1
@@ -243,20 +244,20 @@ class _Near:
             self.tracker.close()
 
 
-NEAR_TTL_S = 30.0
-_nears: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Near] = (
+# per event loop: its near copy, or None when it is off (decided at the loop's first read)
+_nears: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Near | None] = (
     weakref.WeakKeyDictionary())
 
 
 def _near() -> _Near | None:
     """The running loop's near copy; None when it is off (setting, or a Redis Cluster)."""
-    if not settings.API_KEY_NEAR_CACHE or cluster_url():
-        return None
     loop = asyncio.get_running_loop()
-    near = _nears.get(loop)
-    if near is None:
-        near = _nears[loop] = _Near()
-    return near
+    try:
+        return _nears[loop]
+    except KeyError:
+        near = _nears[loop] = (_Near() if settings.API_KEY_NEAR_CACHE and not cluster_url()
+                               else None)
+        return near
 
 
 async def aclose_near() -> int:
