@@ -9,7 +9,9 @@ at saturation as ratios gateway/direct and gateway/LiteLLM (the targets take tur
 ``--rounds`` short slices, so drift in the machine's load falls on all alike; the bench org's
 rate limits are lifted so that no 429 caps the gateway), with each process's CPU ms per
 request at saturation (``gateway_cpu_ms_per_request``: the gateway's own, read from /proc;
-direct is the ceiling, so the gateway's CPU per request is what it costs on shared cores).
+direct is the ceiling, so the gateway's CPU per request is what it costs on shared cores), and
+what each of its requests costs the one Redis thread all gateway processes share
+(``redis_commands_per_request``, ``redis_us_per_request``, from ``INFO commandstats``).
 Latency requests alternate between direct, the gateway's chat and its Responses API so that
 drift in the machine's load falls on all alike; LiteLLM is stopped (SIGSTOP) while anything
 else is measured. The gateway runs with DEBUG off, as in production.
@@ -50,6 +52,16 @@ from engine_adapter.sim.testing import free_port, start_sim
 LITELLM = ROOT / ".tollgate" / "litellm-venv" / "bin" / "litellm"
 ERRORS: list[str] = []
 LITELLM_KEY = "sk-bench-" + os.urandom(16).hex()
+
+
+def redis_commands() -> tuple[int, int]:
+    """Return the commands Redis has run and the microseconds it spent in them (all clients:
+    during a gateway slice, the gateway is the only one)."""
+    from billing_platform.redis_conn import get_redis
+
+    stats = get_redis().info("commandstats")
+    return (sum(int(v["calls"]) for v in stats.values()),
+            sum(int(v["usec"]) for v in stats.values()))
 
 
 def log(msg: str) -> None:
@@ -286,17 +298,23 @@ def main() -> None:
         done = dict.fromkeys(names, 0)
         elapsed = dict.fromkeys(names, 0.0)
         cpu_s: dict[str, dict[str, float]] = {name: {} for name in names}
+        redis_calls = redis_us = 0  # Redis's commands and time in them over the gateway's slices
         for _round in range(args.rounds):
             for name in names:
                 url, headers = targets[name]
                 # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
                 with paused(litellm if name != "litellm" else None):
                     cpu0 = {k: cpu_seconds(v) for k, v in procs.items() if v}
+                    redis0 = redis_commands()
                     client0 = time.process_time()
                     n, took = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
                                                      seconds=args.seconds / args.rounds))
                     elapsed[name] += took
                     done[name] += n
+                    if name == "gateway":
+                        redis1 = redis_commands()
+                        redis_calls += redis1[0] - redis0[0]
+                        redis_us += redis1[1] - redis0[1]
                     for k, v in procs.items():
                         if v and (k == "engine" or k == name):
                             cpu_s[name][k] = cpu_s[name].get(k, 0.0) + cpu_seconds(v) - cpu0[k]
@@ -337,6 +355,10 @@ def main() -> None:
         "rps": {k: round(v, 1) for k, v in rps.items()},
         # the gateway's own CPU per request at saturation: what it adds to the engine's path
         "gateway_cpu_ms_per_request": cpu_ms["gateway"]["gateway"],
+        # what each gateway request costs the one Redis thread that every gateway process
+        # shares (admission, slots, metering, key reads: INFO commandstats over its slices)
+        "redis_commands_per_request": round(redis_calls / done["gateway"], 2),
+        "redis_us_per_request": round(redis_us / done["gateway"], 1),
         "cpu_ms_per_request": cpu_ms, "cores": os.cpu_count(),
         "transport_errors": ERRORS[:10], "transport_error_count": len(ERRORS),
         "targets": {name: url for name, (url, _h) in targets.items()},

@@ -160,9 +160,10 @@ FILES_DISK_RESERVE_BYTES: int = env.int("TOLLGATE_FILES_DISK_RESERVE_BYTES", def
 # field takes precedence); a slot a crashed process never released lapses after the lease.
 ORG_MAX_CONCURRENT_REQUESTS: int = env.int("TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS", default=256)
 ORG_CONCURRENCY_LEASE_S: float = env.float("TOLLGATE_ORG_CONCURRENCY_LEASE_S", default=900.0)
-# A busy organization's slots a web process takes ahead in one script call and hands out
-# itself (plans/concurrency.py): at most this many, and at most 1/16 of the limit; 0: none.
-ORG_CONCURRENCY_POOL_MAX: int = env.int("TOLLGATE_ORG_CONCURRENCY_POOL_MAX", default=16)
+# A busy organization's slots a web process takes ahead and hands out itself
+# (plans/concurrency.py): a pool starts at 1/16 of the limit and grows while all of it is in
+# use, to at most 1/4 of the limit and at most this many; 0: none.
+ORG_CONCURRENCY_POOL_MAX: int = env.int("TOLLGATE_ORG_CONCURRENCY_POOL_MAX", default=64)
 # A web process keeps the API-key entries it read from Redis while Redis tells it of every
 # change (client-side caching, accounts/keycache.py): a busy key costs no Redis read. 0: off.
 API_KEY_NEAR_CACHE: bool = env.bool("TOLLGATE_API_KEY_NEAR_CACHE", default=True)

@@ -19,16 +19,22 @@ not money.
 **Pools.** A slot taken and given back in Redis costs every request two round trips (one of
 them before the body is read, on its time to first token) and the one Redis thread two
 commands. So a busy organization's slots are taken ahead: once it is busy in a process
-(``plans.demand``: 4 requests within 0.1 s), the acquire that goes to Redis also adds up to
-``ORG_CONCURRENCY_POOL_MAX`` (at most 1/16 of the limit) members named for the process's pool,
-and only when at least half the limit stays free after them; the process then hands those
-members to its requests and takes them back itself. They are real members of the set,
-scored like any slot and renewed while the pool lives, so every process's requests and pools
-together never pass the limit: a pool's unused members only make the organization's other
-processes refuse a little early (at most one pool's worth each) when it is at its limit. A
-pool is given back after ``IDLE_S`` without a request in flight, at once when the
-organization's limit changes (its members in use are then released one by one, as plain
-slots), and at shutdown; a process that dies leaves it to lapse like its slots.
+(``plans.demand``: 4 requests within 0.1 s), the acquire that goes to Redis also adds members
+named for the process's pool, and the process then hands those members to its requests and
+takes them back itself. A pool starts at 1/16 of the limit (``ORG_CONCURRENCY_POOL_MAX`` at
+most) and doubles each time a request finds all its members in use, up to 1/4 of the limit
+and ``ORG_CONCURRENCY_POOL_MAX``, but Redis grants only what leaves at least half the limit
+free; members no request needed for ``CHECK_S`` (fewer free than that never happened) go back,
+down to the starting size. So a process with many requests of one organization in flight
+serves nearly all of them from its pool (with a fixed 1/16, a process holding 64 of a 256
+limit still sent three in four to Redis, twice each), and a pool shrinks back once the burst
+has passed. Members are real members of the set, scored like any slot and renewed while the
+pool lives, so every process's requests and pools together never pass the limit: a pool's
+unused members only make the organization's other processes refuse a little early (at most
+one pool's worth each) when it is at its limit. A pool is given back after ``IDLE_S`` without
+a request in flight, at once when the organization's limit changes (its members in use are
+then released one by one, as plain slots), and at shutdown; a process that dies leaves it to
+lapse like its slots.
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ from plans.demand import BUSY, Demand
 log = logging.getLogger(__name__)
 
 # KEYS: the org's in-flight set. ARGV: lease (ms), limit, member, pool name, pool members
-# wanted. Return {slots held after the call (negated when the limit refused this one), pool
-# members added (named <pool name>:1..n)}.
+# wanted (granted as many as leave half the limit free). Return {slots held after the call
+# (negated when the limit refused this one), pool members added (named <pool name>:1..n)}.
 ACQUIRE_LUA = """
 local now = redis.call('TIME')
 local ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -65,8 +71,8 @@ if held >= limit then
   return {-held, 0}
 end
 local expiry = ms + tonumber(ARGV[1])
-local n = tonumber(ARGV[5])
-if n > 0 and 2 * (held + 1 + n) <= limit then
+local n = math.min(tonumber(ARGV[5]), math.floor(limit / 2) - held - 1)
+if n > 0 then
   local args = {expiry, ARGV[3]}
   for i = 1, n do
     args[#args + 1] = expiry
@@ -94,7 +100,7 @@ return 1
 _shas: dict[str, str] = {}
 
 IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
-CHECK_S = 0.5  # how often a pool is looked at (idle, due for renewal)
+CHECK_S = 0.5  # how often a pool is looked at (idle, spare members, due for renewal)
 
 
 @dataclass(eq=False)
@@ -107,6 +113,8 @@ class _Pool:
     free: list[str]
     renew_at: float
     last_used: float
+    base: int  # the size it starts at and shrinks back to
+    low: int = 0  # the fewest members free since it was last looked at (``_check``)
     closed: bool = False
 
 
@@ -147,11 +155,20 @@ async def _run(script: str, keys: list[str], args: list[object]) -> Any:
         return await connection.execute("EVALSHA", sha, len(keys), *keys, *args)
 
 
+def _sizes(limit: int) -> tuple[int, int]:
+    """Return the size a pool of an organization with ``limit`` starts at, and the most it
+    grows to (0, 0: pools are off, or its limit is too small to spare 2)."""
+    most = settings.ORG_CONCURRENCY_POOL_MAX
+    base = min(most, limit // 16)
+    return (base, min(most, limit // 4)) if base >= 2 else (0, 0)
+
+
 def _wanted(org_id: int, limit: int) -> int:
-    """Count one of the organization's requests; return how many pool members to ask for
-    (0 while it is not busy, pools are off, or its limit is too small to spare 2)."""
-    size = min(settings.ORG_CONCURRENCY_POOL_MAX, limit // 16)
-    if size < 2:
+    """Count one of the organization's requests (it found no free pool member); return how
+    many pool members to ask for: a new pool's size, or as many again as the pool holds (up
+    to the most it may hold); 0 while it is not busy or pools are off."""
+    base, most = _sizes(limit)
+    if base == 0:
         return 0
     demand = _demand.get(org_id)
     if demand is None:
@@ -164,7 +181,10 @@ def _wanted(org_id: int, limit: int) -> int:
     if org_id in _asking:  # one call at a time adds to an organization's pool
         return 0
     pool = _pools.get(org_id)
-    return size - (len(pool.members) if pool is not None else 0)
+    if pool is None or pool.limit != limit:
+        return base
+    held = len(pool.members)
+    return min(max(held, base), most - held)
 
 
 def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
@@ -174,7 +194,8 @@ def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
     if pool is None or pool.limit != limit:
         pool = _pools[org_id] = _Pool(
             org_id=org_id, limit=limit, members=set(), free=[],
-            renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now)
+            renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now,
+            base=_sizes(limit)[0])
         if old is not None:
             _spawn(_give_back(old))
         asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
@@ -191,13 +212,21 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 def _check(pool: _Pool) -> None:
-    """Give an idle pool back; renew a live one's members before they would lapse."""
+    """Give an idle pool back; give back the members of a live one that no request needed
+    since it was last looked at (down to its starting size); renew the others before they
+    would lapse."""
     if pool.closed:
         return
     now = time.monotonic()
     if len(pool.free) == len(pool.members) and now - pool.last_used >= IDLE_S:
         _spawn(_give_back(pool))
         return
+    spare = min(pool.low, len(pool.members) - pool.base)
+    if spare > 0:  # the longest free go (requests take the last freed first)
+        gone, pool.free = pool.free[:spare], pool.free[spare:]
+        pool.members.difference_update(gone)
+        _spawn(_remove(pool.org_id, gone))
+    pool.low = len(pool.free)
     if now >= pool.renew_at:
         pool.renew_at = now + settings.ORG_CONCURRENCY_LEASE_S / 2
         _spawn(_renew(pool))
@@ -211,6 +240,15 @@ async def _renew(pool: _Pool) -> None:
         log.warning("in-flight pool of organization %s not renewed (%r)", pool.org_id, exc)
 
 
+async def _remove(org_id: int, members: list[str]) -> None:
+    """Remove a pool's members from the organization's set (a failure: they lapse)."""
+    try:
+        await get_pipelined().execute("ZREM", inflight_key(org_id), *members)
+    except redis.RedisError as exc:
+        log.warning("in-flight pool of organization %s not given back (%r); it lapses after "
+                    "%.0fs", org_id, exc, settings.ORG_CONCURRENCY_LEASE_S)
+
+
 async def _give_back(pool: _Pool) -> None:
     """Close the pool and remove its free members (those in use go as their requests end)."""
     if not pool.closed:
@@ -219,13 +257,8 @@ async def _give_back(pool: _Pool) -> None:
             del _pools[pool.org_id]
     free, pool.free = pool.free, []
     pool.members.difference_update(free)
-    if not free:
-        return
-    try:
-        await get_pipelined().execute("ZREM", inflight_key(pool.org_id), *free)
-    except redis.RedisError as exc:
-        log.warning("in-flight pool of organization %s not given back (%r); it lapses after "
-                    "%.0fs", pool.org_id, exc, settings.ORG_CONCURRENCY_LEASE_S)
+    if free:
+        await _remove(pool.org_id, free)
 
 
 async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
@@ -236,7 +269,10 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
         if pool.limit != limit:  # the organization's limit changed: its pool goes first
             await _give_back(pool)
         elif pool.free:
-            return Slot(org_id=org_id, member=pool.free.pop(), pool=pool)
+            member = pool.free.pop()
+            if len(pool.free) < pool.low:
+                pool.low = len(pool.free)
+            return Slot(org_id=org_id, member=member, pool=pool)
     wanted = _wanted(org_id, limit)
     name = ""
     if wanted > 0:
@@ -254,8 +290,9 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
     held, added = int(raw[0]), int(raw[1])
     if held < 0:
         raise RateLimited(
-            f"Your organization has {-held} requests in flight, its limit of concurrent "
-            f"requests ({limit}); retry when one of them has finished.",
+            # not the count held: it includes slots gateway processes keep ready (pools)
+            f"Your organization has reached its limit of concurrent requests ({limit}); "
+            f"retry when one of its requests in flight has finished.",
             code="too_many_concurrent_requests", headers={"retry-after": "1"})
     if added:
         _pooled(org_id, limit, name, added)

@@ -4,8 +4,8 @@ response's end (a stream to its last byte, or to the client's disconnect), other
 are not touched by one at its limit, staff can give an organization a limit of its own, and a
 gateway that dies holding slots cannot lock an organization out: they lapse with their lease.
 The slots a busy organization's gateway processes take ahead (pools) keep all of that: they
-count, never let it past its limit, are renewed while held and given back when idle or when
-its limit changes.
+count, never let it past its limit, grow while all of them are in use and shrink back after,
+are renewed while held and given back when idle or when its limit changes.
 
 A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
 """
@@ -222,7 +222,8 @@ def test_a_key_the_gateway_knows_holds_no_slot_it_is_not_entitled_to(slow_gatewa
 
 
 # A busy organization's slots taken ahead by each gateway process (plans.concurrency's pools):
-# with a limit of 32, each process's pool is 2 slots (1/16 of it).
+# with a limit of 32, each process's pool starts at 2 slots (1/16 of it) and grows to at most 8
+# (1/4 of it).
 POOLED = {"TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS": "32"}
 
 
@@ -252,13 +253,13 @@ def test_pooled_slots_never_let_a_busy_organization_past_its_limit(slow_gateway)
     org, secret = _tenant()
     for gateway in gateways:
         _busy(gateway, secret)
-    assert 2 <= _held(org) <= 4  # the pools' slots, taken ahead, count while nothing runs
+    assert 2 <= _held(org) <= 16  # the pools' slots, taken ahead, count while nothing runs
 
     # when it opens streams on both until they are refused
     streams, refused = _open_until_refused(gateways, secret, org, attempts=40)
 
     # then no more than its limit ran at once (at most a pool's worth less on each process)
-    assert 28 <= len(streams) <= 32
+    assert 24 <= len(streams) <= 32
     assert {r.json()["error"]["code"] for r in refused} == {"too_many_concurrent_requests"}
     assert _held(org) <= 32
     # and once they end, the idle pools are given back: nothing is held in its name
@@ -294,8 +295,9 @@ def test_a_pooled_slot_held_past_its_lease_still_counts(slow_gateway):
     org, secret = _tenant()
     _busy(gateway, secret)
     stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)  # 20 s
-    held = _held(org)
-    assert held == 2  # the stream's slot and the pool's other one
+    # (the burst may have grown the pool: it shrinks back to its starting size)
+    wait_until(lambda: _held(org) == 2, timeout=10, what="the pool back at its starting size")
+    held = _held(org)  # the stream's slot and the pool's other one
 
     # when the stream runs (read as it comes) for more than two leases
     until = time.monotonic() + 7
@@ -309,4 +311,38 @@ def test_a_pooled_slot_held_past_its_lease_still_counts(slow_gateway):
     assert all(score > now_ms for _m, score in
                get_redis().zrange(inflight_key(org.id), 0, -1, withscores=True))
     stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="the pool given back when idle")
+
+
+def _pooled(org) -> int:
+    """Return how many members of the organization's set are pool slots (not a request's)."""
+    return sum(m.startswith("pool_") for m in get_redis().zrange(inflight_key(org.id), 0, -1))
+
+
+def test_a_pool_grows_while_all_of_it_is_in_use_and_shrinks_back_after(slow_gateway):
+    # given an organization with a limit of 64 (a pool starts at 4 slots, grows to at most 16)
+    # busy on one gateway process
+    gateway = slow_gateway(TOLLGATE_ORG_MAX_CONCURRENT_REQUESTS="64")
+    org, secret = _tenant()
+
+    # when it holds 20 streams there, opened in waves of concurrent requests
+    streams: list[Stream] = []
+    for wave in (6, 4, 4, 4, 2):
+        with ThreadPoolExecutor(wave) as pool:
+            streams += pool.map(lambda _: Stream(gateway, secret, max_tokens=2000),
+                                range(wave))
+
+    # then the process's pool grew past its starting size while all of it was in use (its
+    # requests took their slots without Redis), never past 1/4 of the limit, and every
+    # stream still counts
+    assert 8 <= _pooled(org) <= 16
+    assert 20 <= _held(org) <= 20 + 16
+
+    # and once all but one have ended, the slots no request needed go back: the pool shrinks
+    # to its starting size while the last stream runs, and is given back once it ends
+    for stream in streams[:-1]:
+        stream.abort()
+    wait_until(lambda: _pooled(org) == 4, timeout=10, what="the pool back at its starting size")
+    assert _held(org) in (4, 5)  # the pool, and the last stream's slot if it is not of it
+    streams[-1].abort()
     wait_until(lambda: _held(org) == 0, timeout=10, what="the pool given back when idle")
