@@ -33,8 +33,9 @@ pool lives, so every process's requests and pools together never pass the limit:
 unused members only make the organization's other processes refuse a little early (at most
 one pool's worth each) when it is at its limit. A pool is given back after ``IDLE_S`` without
 a request in flight, at once when the organization's limit changes (its members in use are
-then released one by one, as plain slots), and at shutdown; a process that dies leaves it to
-lapse like its slots.
+then released one by one, as plain slots), when a renewal (every ``RENEW_S``) finds that Redis
+lost some of its members (a restart: the members in use are added back), and at shutdown; a
+process that dies leaves it to lapse like its slots.
 """
 
 from __future__ import annotations
@@ -86,20 +87,33 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return {held + 1 + n, n}
 """
-# KEYS: the org's in-flight set. ARGV: lease (ms), the pool's members: each still there lives
-# another lease from now.
+# KEYS: the org's in-flight set. ARGV: lease (ms), how many of the pool's members are in use,
+# those members, then its free ones. Each lives another lease from now: one in use is added
+# back if the set lost it (its request is in flight), a free one only renewed. Return how many
+# free members the set no longer held (Redis restarted or lost the set).
 RENEW_LUA = """
 local now = redis.call('TIME')
 local expiry = now[1] * 1000 + math.floor(now[2] / 1000) + tonumber(ARGV[1])
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+local used = tonumber(ARGV[2])
+local lost = 0
+for i = 3, #ARGV do
+  if i < 3 + used then
+    redis.call('ZADD', KEYS[1], expiry, ARGV[i])
+  elseif redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+  else
+    lost = lost + 1
+  end
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
+return lost
 """
 _shas: dict[str, str] = {}
 
 IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
+# How often a live pool's members are renewed: well within their lease, and often enough that
+# a pool whose members Redis lost (a restart) is dropped soon (``_renew``).
+RENEW_S = 10.0
 CHECK_S = 0.5  # how often a pool is looked at (idle, spare members, due for renewal)
 
 
@@ -141,6 +155,10 @@ def limit_of(max_concurrent_requests: int | None) -> int:
 
 def _lease_ms() -> int:
     return int(settings.ORG_CONCURRENCY_LEASE_S * 1000)
+
+
+def _renew_s() -> float:
+    return min(RENEW_S, settings.ORG_CONCURRENCY_LEASE_S / 2)
 
 
 async def _run(script: str, keys: list[str], args: list[object]) -> Any:
@@ -194,7 +212,7 @@ def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
     if pool is None or pool.limit != limit:
         pool = _pools[org_id] = _Pool(
             org_id=org_id, limit=limit, members=set(), free=[],
-            renew_at=now + settings.ORG_CONCURRENCY_LEASE_S / 2, last_used=now,
+            renew_at=now + _renew_s(), last_used=now,
             base=_sizes(limit)[0])
         if old is not None:
             _spawn(_give_back(old))
@@ -202,7 +220,7 @@ def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
     fresh = [f"{name}:{i}" for i in range(1, added + 1)]
     pool.members.update(fresh)
     pool.free.extend(fresh)
-    pool.renew_at = min(pool.renew_at, now + settings.ORG_CONCURRENCY_LEASE_S / 2)
+    pool.renew_at = min(pool.renew_at, now + _renew_s())
 
 
 def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
@@ -228,16 +246,27 @@ def _check(pool: _Pool) -> None:
         _spawn(_remove(pool.org_id, gone))
     pool.low = len(pool.free)
     if now >= pool.renew_at:
-        pool.renew_at = now + settings.ORG_CONCURRENCY_LEASE_S / 2
+        pool.renew_at = now + _renew_s()
         _spawn(_renew(pool))
     asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
 
 
 async def _renew(pool: _Pool) -> None:
+    """Renew the pool's members; drop the pool if Redis lost any of its free ones (it restarted
+    or lost the set): handed out, they would let requests in that no slot counts. Its members
+    in use are added back (their requests are in flight) and released as plain slots."""
+    free = list(pool.free)
+    used = pool.members.difference(free)
     try:
-        await _run(RENEW_LUA, [inflight_key(pool.org_id)], [_lease_ms(), *pool.members])
+        lost = await _run(RENEW_LUA, [inflight_key(pool.org_id)],
+                          [_lease_ms(), len(used), *used, *free])
     except redis.RedisError as exc:
         log.warning("in-flight pool of organization %s not renewed (%r)", pool.org_id, exc)
+        return
+    if lost:
+        log.warning("in-flight pool of organization %s: Redis no longer held %d of its slots "
+                    "(restarted?); the pool is dropped", pool.org_id, lost)
+        await _give_back(pool)
 
 
 async def _remove(org_id: int, members: list[str]) -> None:

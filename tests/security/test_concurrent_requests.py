@@ -5,7 +5,8 @@ are not touched by one at its limit, staff can give an organization a limit of i
 gateway that dies holding slots cannot lock an organization out: they lapse with their lease.
 The slots a busy organization's gateway processes take ahead (pools) keep all of that: they
 count, never let it past its limit, grow while all of them are in use and shrink back after,
-are renewed while held and given back when idle or when its limit changes.
+are renewed while held, given back when idle or when its limit changes, and dropped when Redis
+lost their slots (their streams then count again).
 
 A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
 """
@@ -346,3 +347,24 @@ def test_a_pool_grows_while_all_of_it_is_in_use_and_shrinks_back_after(slow_gate
     assert _held(org) in (4, 5)  # the pool, and the last stream's slot if it is not of it
     streams[-1].abort()
     wait_until(lambda: _held(org) == 0, timeout=10, what="the pool given back when idle")
+
+
+def test_a_pool_whose_slots_redis_lost_is_dropped_and_its_stream_counted_again(slow_gateway):
+    # given a stream on a busy organization's pool, whose pool is renewed every 2 s
+    gateway = slow_gateway(**POOLED, TOLLGATE_ORG_CONCURRENCY_LEASE_S="4")
+    org, secret = _tenant()
+    _busy(gateway, secret)
+    stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)  # 20 s
+
+    # when Redis loses the organization's set (as a restart without persistence does)
+    get_redis().delete(inflight_key(org.id))
+
+    # then at the pool's next renewal the stream's slot counts again, and the pool's free
+    # slots are not handed out any more: the next request takes a slot Redis holds
+    wait_until(lambda: _held(org) == 1, timeout=10, what="the stream's slot added back")
+    assert _pooled(org) <= 1
+    second = Stream(gateway, secret, max_tokens=400, ignore_eos=True)
+    assert _held(org) == 2
+    stream.abort()
+    second.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="every slot released")
