@@ -7,6 +7,7 @@ import threading
 from collections import Counter
 
 import pytest
+import redis
 from asgiref.sync import sync_to_async
 from django.db import connection
 from django.db.models import Sum
@@ -140,3 +141,34 @@ def test_events_appended_together_are_recorded_once_also_when_redis_is_down(
     # and every event is one row, counted once in the rollups
     assert UsageEvent.objects.count() == 200
     assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 200
+
+
+def test_concurrent_async_appends_share_script_calls_and_each_is_recorded_once(
+        transactional_db, tenant, own_redis, settings):
+    # given 150 gateway requests finishing at once (their appends made in one loop tick)
+    async def appends(first: int, n: int) -> list[str]:
+        return await asyncio.gather(*(services.ausage_event_append(
+            tenant.event(f"req-tick-{first + i}")) for i in range(n)))
+
+    def script_calls() -> int:
+        stats = redis.Redis.from_url(own_redis.url).info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+    assert asyncio.run(appends(1000, 1)) == ["redis"]  # the script loaded into this Redis
+    before = script_calls()
+    paths = asyncio.run(appends(0, 150))
+
+    # then they went on the stream in a few script calls (64 events at most each), not 150
+    assert paths == ["redis"] * 150
+    assert script_calls() - before <= 3
+
+    # and when the stream has room for only part of the next tick's appends, that tick's
+    # events go to PostgreSQL instead, all of them (a batch is all or none), and none is lost
+    settings.METERING_STREAM_MAX_LENGTH = 151 + 10  # 10 more fit, not 20
+    paths += asyncio.run(appends(150, 20))
+    connection.close()  # the fallback's thread had its own
+    assert paths[150:] == ["postgres"] * 20
+    _drain()
+    recorded = list(UsageEvent.objects.values_list("request_id", flat=True))
+    assert len(recorded) == len(set(recorded)) == 171
+    assert UsageRollupHourly.objects.aggregate(n=Sum("requests"))["n"] == 171

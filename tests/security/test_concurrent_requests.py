@@ -290,12 +290,18 @@ def test_a_lowered_limit_gives_a_pool_back_at_once(slow_gateway):
     wait_until(lambda: _held(org) == 0, timeout=10, what="every slot released")
 
 
-def test_a_pooled_slot_held_past_its_lease_still_counts(slow_gateway):
-    # given slots that lapse after 3 s unless renewed, and a stream on a busy organization's pool
-    gateway = slow_gateway(**POOLED, TOLLGATE_ORG_CONCURRENCY_LEASE_S="3")
+def _stream_on_a_pool(slow_gateway, *, lease_s: float) -> tuple[LiveGateway, object, str, Stream]:
+    """Start a gateway whose slots lapse after ``lease_s`` unless renewed (a pool's are renewed
+    every half of it); make an organization busy there and open a 20 s stream from its pool."""
+    gateway = slow_gateway(**POOLED, TOLLGATE_ORG_CONCURRENCY_LEASE_S=str(lease_s))
     org, secret = _tenant()
     _busy(gateway, secret)
-    stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)  # 20 s
+    return gateway, org, secret, Stream(gateway, secret, max_tokens=400, ignore_eos=True)
+
+
+def test_a_pooled_slot_held_past_its_lease_still_counts(slow_gateway):
+    # given slots that lapse after 3 s unless renewed, and a stream on a busy organization's pool
+    _gateway, org, _secret, stream = _stream_on_a_pool(slow_gateway, lease_s=3)
     # (the burst may have grown the pool: it shrinks back to its starting size)
     wait_until(lambda: _held(org) == 2, timeout=10, what="the pool back at its starting size")
     held = _held(org)  # the stream's slot and the pool's other one
@@ -351,10 +357,7 @@ def test_a_pool_grows_while_all_of_it_is_in_use_and_shrinks_back_after(slow_gate
 
 def test_a_pool_whose_slots_redis_lost_is_dropped_and_its_stream_counted_again(slow_gateway):
     # given a stream on a busy organization's pool, whose pool is renewed every 2 s
-    gateway = slow_gateway(**POOLED, TOLLGATE_ORG_CONCURRENCY_LEASE_S="4")
-    org, secret = _tenant()
-    _busy(gateway, secret)
-    stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)  # 20 s
+    gateway, org, secret, stream = _stream_on_a_pool(slow_gateway, lease_s=4)
 
     # when Redis loses the organization's set (as a restart without persistence does)
     get_redis().delete(inflight_key(org.id))
