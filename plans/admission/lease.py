@@ -39,7 +39,9 @@ What it keeps exact:
 Only policies without a token plan's window or provisioned capacity lease (those count every
 request against shared per-minute state), and only one without an end user's budget (a rule of
 its own per request). A policy leases once it is busy (``plans.demand``: at least 4 of its
-admissions within 0.1 s), for a second's worth at that rate (at most ``LEASE_MAX``).
+admissions within 0.1 s), for a second's worth at that rate (at most ``LEASE_MAX``). Its
+reload (``runtime``, every ``QUOTA_POLICY_TTL_S``) takes over its lease and demand when none
+of its terms changed (``carry``), and gives the lease back at once when one did.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -225,6 +229,31 @@ class _Slot:
         self.acquiring: asyncio.Future[Any] | None = None  # a lease admission's answer
         self.quiet_until = 0.0
         self.demand = Demand()
+
+
+def _terms(p: QuotaPolicy) -> QuotaPolicy:
+    """Return what of ``p`` a lease depends on: all of it but its budgets' spend seeds (read
+    afresh from PostgreSQL at each reload, and used by Redis only to start a month's spend)."""
+    return replace(p, budgets=tuple(replace(b, spent_seed=_NO_SEED) for b in p.budgets))
+
+
+_NO_SEED = Decimal(0)
+
+
+def carry(old: QuotaPolicy, new: QuotaPolicy, send: Send) -> None:
+    """Let ``new``, the reload of ``old``, take over its lease and demand when nothing a lease
+    depends on changed (its limits, budgets, prices): otherwise, each reload (every
+    ``QUOTA_POLICY_TTL_S``) made a busy key count its demand again and take a new lease, its
+    next requests decided in Redis meanwhile while the old lease held its share unused. When
+    something changed, the old lease is given back now and the new terms start afresh."""
+    slot: _Slot | None = old.__dict__.get("_lease_slot")
+    if slot is None or "_lease_slot" in new.__dict__:
+        return
+    if _terms(old) == _terms(new):
+        new.__dict__["_lease_slot"] = slot
+    elif slot.lease is not None:
+        slot.lease.close(send)
+        slot.lease = None
 
 
 def leasable(p: QuotaPolicy) -> bool:

@@ -81,8 +81,10 @@ class _Reloading(Generic[K, V]):
     failed reload counts in ``tollgate_quota_policy_reload_failures``.
     """
 
-    def __init__(self, load: Callable[..., V]) -> None:
+    def __init__(self, load: Callable[..., V],
+                 carry: Callable[[V, V], None] | None = None) -> None:
         self.load = load
+        self.carry = carry  # told (old, new) when a reload replaces a value
         self.items: dict[K, tuple[float, V]] = {}
         self.loading: dict[K, asyncio.Task[V]] = {}
         self.failing_since: float | None = None
@@ -117,7 +119,10 @@ class _Reloading(Generic[K, V]):
                 del self.loading[key]
         if len(self.items) > 50_000:  # keys x models seen by this process
             self.items.clear()
+        old = self.items.get(key)
         self.items[key] = (started, value)
+        if old is not None and self.carry is not None:
+            self.carry(old[1], value)
         return value
 
     def _done(self, task: asyncio.Task[V]) -> None:
@@ -142,7 +147,12 @@ def _load_limits(**kwargs: int) -> Limits:
     return rpm, tpm
 
 
-_policies: _Reloading[tuple[int, str], QuotaPolicy] = _Reloading(loading.quota_policy_load)
+def _carry_lease(old: QuotaPolicy, new: QuotaPolicy) -> None:
+    lease.carry(old, new, _send)
+
+
+_policies: _Reloading[tuple[int, str], QuotaPolicy] = _Reloading(loading.quota_policy_load,
+                                                                 _carry_lease)
 _limits: _Reloading[int, Limits] = _Reloading(_load_limits)
 
 

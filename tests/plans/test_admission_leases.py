@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
@@ -17,6 +18,7 @@ from prometheus_client import REGISTRY
 from billing_platform.redis_conn import get_aredis
 from plans import admission
 from plans.admission import lease
+from plans.admission.runtime import _carry_lease, _Reloading
 from plans.pricing import ModelPricing, PriceSet
 
 PROMPT, MAX_OUTPUT = 100, 50  # each request's bounds
@@ -313,3 +315,56 @@ def test_the_web_process_gives_its_leases_back_when_it_shuts_down():
     assert set(after["rate"].values()) == {(100, 100)}
     assert after["budget"] == {"spent": str(100 * ACTUAL), "reserved": "0"}
     assert after["reservations"] == []
+
+
+def test_a_reloaded_policy_keeps_its_lease_unless_its_terms_changed():
+    # given a busy policy holding a lease, cached as the gateway caches policies, whose reloads
+    # read it back with more spend seeded (terms unchanged), then with a lower RPM limit
+    first = _policy()
+    org = first.org_id
+    seeded = replace(first, budgets=tuple(replace(b, spent_seed=Decimal("3")) for b in
+                                          first.budgets))
+    lowered = replace(first, rpm=((f"o{org}", 10**5), (f"k{org}", 10**5)))
+    loads = iter([first, seeded, lowered])
+    cache = _Reloading(lambda: next(loads), _carry_lease)
+
+    async def reload() -> admission.QuotaPolicy:
+        cache.items["k"] = (cache.items["k"][0] - admission.POLICY_TTL_S - 1,
+                            cache.items["k"][1])
+        await cache.get("k")  # the stale one, while the reload runs
+        while cache.loading:
+            await asyncio.sleep(0.001)
+        return await cache.get("k")
+
+    async def run():
+        try:
+            policy = await cache.get("k")
+            tickets = await _burst(policy, 50)
+            assert tickets[-1].lease is not None
+            # when it is reloaded unchanged, its next request is admitted from the lease
+            # (or, the lease's second over, a new one the demand it carried asks for)
+            again = await reload()
+            assert again is seeded
+            kept = await _admit(again)
+            # and when it is reloaded with another limit, the lease is given back at once
+            # and the new terms start afresh: the next request is decided in Redis
+            changed = await reload()
+            assert changed is lowered
+            await asyncio.sleep(0.01)  # the giveback reaches Redis
+            counted = (await _state(first))["rate"]
+            fresh = await _admit(changed)
+            await _settle([*tickets, kept, fresh])
+            await _quiesce()
+            return kept, counted, fresh, await _state(first)
+        finally:
+            await _cleanup(first)
+
+    kept, counted, fresh, state = asyncio.run(run())
+    assert kept.lease is not None
+    # the lease's unused requests no longer count: only the 51 admitted ones do
+    assert {n for n, _seconds in counted.values()} == {51}
+    assert fresh.lease is None
+    # every request counted once, spend exact, nothing left reserved
+    assert set(state["rate"].values()) == {(52, 52)}
+    assert state["budget"] == {"spent": str(52 * ACTUAL), "reserved": "0"}
+    assert state["reservations"] == []
