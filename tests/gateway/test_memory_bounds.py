@@ -199,7 +199,9 @@ def _warm_up(gateway: Gateway, secret: str) -> None:
 def test_forty_connections_promising_200_mb_leave_the_web_process_memory_bounded(
         make_gateway):
     # given a gateway that waits long for slow bodies, and a tenant allowed 100 requests at once
-    gateway = make_gateway(TOLLGATE_BODY_READ_TIMEOUT_S="600")
+    # (no in-flight slots taken ahead: its set then holds exactly the requests in flight)
+    gateway = make_gateway(TOLLGATE_BODY_READ_TIMEOUT_S="600",
+                           TOLLGATE_ORG_CONCURRENCY_POOL_MAX="0")
     org, secret = _tenant(max_concurrent_requests=100)
     _warm_up(gateway, secret)
     baseline = _reset_peak(gateway.pid)
