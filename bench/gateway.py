@@ -305,7 +305,7 @@ def main() -> None:
                 # one target at a time; LiteLLM is stopped (SIGSTOP) while the others run
                 with paused(litellm if name != "litellm" else None):
                     cpu0 = {k: cpu_seconds(v) for k, v in procs.items() if v}
-                    redis0 = redis_commands()
+                    redis0 = redis_commands() if name == "gateway" else (0, 0)
                     client0 = time.process_time()
                     n, took = asyncio.run(throughput(url, headers, concurrency=args.concurrency,
                                                      seconds=args.seconds / args.rounds))

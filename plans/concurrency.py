@@ -127,7 +127,6 @@ class _Pool:
     free: list[str]
     renew_at: float
     last_used: float
-    base: int  # the size it starts at and shrinks back to
     low: int = 0  # the fewest members free since it was last looked at (``_check``)
     closed: bool = False
 
@@ -212,8 +211,7 @@ def _pooled(org_id: int, limit: int, name: str, added: int) -> None:
     if pool is None or pool.limit != limit:
         pool = _pools[org_id] = _Pool(
             org_id=org_id, limit=limit, members=set(), free=[],
-            renew_at=now + _renew_s(), last_used=now,
-            base=_sizes(limit)[0])
+            renew_at=now + _renew_s(), last_used=now)
         if old is not None:
             _spawn(_give_back(old))
         asyncio.get_running_loop().call_later(CHECK_S, _check, pool)
@@ -239,7 +237,7 @@ def _check(pool: _Pool) -> None:
     if len(pool.free) == len(pool.members) and now - pool.last_used >= IDLE_S:
         _spawn(_give_back(pool))
         return
-    spare = min(pool.low, len(pool.members) - pool.base)
+    spare = min(pool.low, len(pool.members) - _sizes(pool.limit)[0])  # down to its start
     if spare > 0:  # the longest free go (requests take the last freed first)
         gone, pool.free = pool.free[:spare], pool.free[spare:]
         pool.members.difference_update(gone)
@@ -299,8 +297,7 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
             await _give_back(pool)
         elif pool.free:
             member = pool.free.pop()
-            if len(pool.free) < pool.low:
-                pool.low = len(pool.free)
+            pool.low = min(pool.low, len(pool.free))
             return Slot(org_id=org_id, member=member, pool=pool)
     wanted = _wanted(org_id, limit)
     name = ""

@@ -231,13 +231,13 @@ class _Slot:
         self.demand = Demand()
 
 
+_NO_SEED = Decimal(0)
+
+
 def _terms(p: QuotaPolicy) -> QuotaPolicy:
     """Return what of ``p`` a lease depends on: all of it but its budgets' spend seeds (read
     afresh from PostgreSQL at each reload, and used by Redis only to start a month's spend)."""
     return replace(p, budgets=tuple(replace(b, spent_seed=_NO_SEED) for b in p.budgets))
-
-
-_NO_SEED = Decimal(0)
 
 
 def carry(old: QuotaPolicy, new: QuotaPolicy, send: Send) -> None:
