@@ -39,7 +39,9 @@ What it keeps exact:
 Only policies without a token plan's window or provisioned capacity lease (those count every
 request against shared per-minute state), and only one without an end user's budget (a rule of
 its own per request). A policy leases once it is busy (``plans.demand``: at least 4 of its
-admissions within 0.1 s), for a second's worth at that rate (at most ``LEASE_MAX``). Its
+admissions within 0.1 s), for a second's worth at that rate (at most ``LEASE_MAX``), and while
+it stays busy it takes the next lease before this one ends or runs out (``AHEAD_S``), so its
+requests do not wait for Redis at each second's end. Its
 reload (``runtime``, every ``QUOTA_POLICY_TTL_S``) takes over its lease and demand when none
 of its terms changed (``carry``), and gives the lease back at once when one did.
 """
@@ -68,6 +70,13 @@ LEASE_MIN = 8  # the script's LEASE_MIN: no lease is smaller (a smaller LEASE_MA
 # A lease's local deadline is this much before the end of its Redis second: the answer reaches
 # the process after the script ran, and a busy loop runs timers late.
 DEADLINE_MARGIN_S = 0.01
+# A busy policy takes its next lease ahead (at most AHEAD_MAX of them) when its lease will run
+# out before its deadline at the rate of its demand, or within AHEAD_S of the deadline: the
+# script counts a lease taken in a second's last 50 ms in the next second (the deadline is
+# DEADLINE_MARGIN_S before the second's end; AHEAD_S leaves 10 ms for the clocks to differ), so
+# that one carries on when this one ends. No request waits for Redis while the policy is busy.
+AHEAD_MAX = 2
+AHEAD_S = 0.03
 # How soon a closed lease gives back what its settled requests freed while others are in flight
 # (their spend reaches Redis; their reservations are released).
 FLUSH_S = 0.1
@@ -220,15 +229,53 @@ class Lease:
 
 
 class _Slot:
-    """A policy's lease and the demand that decides whether it leases (kept on the policy)."""
+    """A policy's lease, those taken ahead of it, and the demand that decides whether it
+    leases (kept on the policy)."""
 
-    __slots__ = ("acquiring", "demand", "lease", "quiet_until")
+    __slots__ = ("acquiring", "ahead", "demand", "lease", "quiet_until", "retired")
 
     def __init__(self) -> None:
+        self.retired = False  # its policy's terms changed: a lease answered now goes back
         self.lease: Lease | None = None
+        self.ahead: list[Lease] = []  # taken before ``lease`` ended or ran out, in order
         self.acquiring: asyncio.Future[Any] | None = None  # a lease admission's answer
         self.quiet_until = 0.0
         self.demand = Demand()
+
+    def close(self, send: Send) -> None:
+        """Give back every lease, and any the lease admission in flight brings."""
+        self.retired = True
+        for held in (self.lease, *self.ahead):
+            if held is not None:
+                held.close(send)
+        self.lease, self.ahead = None, []
+
+    def short(self, now: float) -> bool:
+        """Return whether the policy should take its next lease now, while it still holds one:
+        the last it holds ends within ``AHEAD_S``, or its lease runs out before its deadline
+        at the rate its demand says (and none was taken ahead yet)."""
+        lease = self.lease
+        if lease is None or self.acquiring is not None or len(self.ahead) >= AHEAD_MAX:
+            return False
+        last = self.ahead[-1] if self.ahead else lease
+        return now >= last.deadline - AHEAD_S or (
+            not self.ahead and lease.requests * WINDOW_S < self.demand.level * (lease.deadline
+                                                                              - now))
+
+    def take(self, now: float, request_id: str, tier: str, zone: str, estimate: int,
+             worst: Sequence[int], send: Send) -> Ticket | None:
+        """Return the ticket of a request admitted from the lease, or from the one taken ahead
+        once the lease ended or cannot cover the request (each such lease is given back first,
+        before the request goes anywhere else); None when neither covers it."""
+        while (lease := self.lease) is not None:
+            if now >= lease.deadline or lease.month != month_tag():
+                lease.close(send)
+            ticket = lease.take(request_id, tier, zone, estimate, worst)
+            if ticket is not None:
+                return ticket
+            lease.close(send)
+            self.lease = self.ahead.pop(0) if self.ahead else None
+        return None
 
 
 _NO_SEED = Decimal(0)
@@ -251,9 +298,8 @@ def carry(old: QuotaPolicy, new: QuotaPolicy, send: Send) -> None:
         return
     if _terms(old) == _terms(new):
         new.__dict__["_lease_slot"] = slot
-    elif slot.lease is not None:
-        slot.lease.close(send)
-        slot.lease = None
+    else:
+        slot.close(send)
 
 
 def leasable(p: QuotaPolicy) -> bool:
@@ -269,24 +315,41 @@ def leasable(p: QuotaPolicy) -> bool:
 
 
 def take(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: int,
-         worst: list[int], send: Send) -> Ticket | None:
+         worst: list[int], submit: Submit, send: Send) -> Ticket | None:
     """Return the ticket of a request admitted from the policy's lease, or None (no lease, or
-    it cannot cover the request: then it is given back first). Counts the policy's demand."""
+    none covers the request: then they are given back first). Counts the policy's demand, and
+    takes the next lease ahead while the policy stays busy (``_Slot.short``)."""
     slot: _Slot | None = policy.__dict__.get("_lease_slot")
     if slot is None:
         slot = policy.__dict__["_lease_slot"] = _Slot()
     now = time.monotonic()
     slot.demand.add(now)
-    lease = slot.lease
-    if lease is None:
+    if slot.lease is None:
         return None
-    if now >= lease.deadline or lease.month != month_tag():
-        lease.close(send)
-    ticket = lease.take(request_id, tier, zone, estimate, worst)
-    if ticket is None:
-        lease.close(send)  # given back before this request goes anywhere else
-        slot.lease = None
+    ticket = slot.take(now, request_id, tier, zone, estimate, worst, send)
+    if slot.short(now):
+        _lease(policy, slot, estimate, worst, submit, send)
     return ticket
+
+
+def _lease(policy: QuotaPolicy, slot: _Slot, estimate: int, worst: list[int],
+           submit: Submit, send: Send) -> asyncio.Future[Any] | None:
+    """Ask Redis for a lease for a busy policy, sized by its demand; return the answer's
+    future (also ``slot.acquiring``), or None when it is not busy, keeps quiet after a
+    refusal, or was reloaded with other terms."""
+    demand = slot.demand.level
+    if demand < BUSY or time.monotonic() < slot.quiet_until or slot.retired:
+        return None
+    month, uid = month_tag(), f"lease_{uuid.uuid4().hex}"
+    want = min(LEASE_MAX, demand * round(1 / WINDOW_S))
+    future = submit(admit_frame(policy, month, "l").op(bulk(uid) + ints([estimate, want,
+                                                                         *worst])))
+    # The lease is recorded by the answer's callback, first of all that wait for it, whether
+    # or not the request that asked for it is still there to take from it.
+    future.add_done_callback(functools.partial(
+        _granted, policy, slot, month, uid, estimate, worst, send))
+    slot.acquiring = future
+    return future
 
 
 async def acquire(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: int,
@@ -296,34 +359,21 @@ async def acquire(policy: QuotaPolicy, request_id: str, tier: str, zone: str, es
     goes to Redis alone."""
     slot: _Slot = policy.__dict__["_lease_slot"]
     for _attempt in range(3):
-        if slot.acquiring is None:
-            demand = slot.demand.level
-            if demand < BUSY or time.monotonic() < slot.quiet_until:
-                return None
-            month, uid = month_tag(), f"lease_{uuid.uuid4().hex}"
-            want = min(LEASE_MAX, demand * round(1 / WINDOW_S))
-            future = submit(admit_frame(policy, month, "l").op(
-                bulk(uid) + ints([estimate, want, *worst])))
-            # The lease is recorded by the answer's callback, first of all that wait for it,
-            # whether or not this request is still there to take from it.
-            future.add_done_callback(functools.partial(
-                _granted, policy, slot, month, uid, estimate, worst, send))
-            slot.acquiring = future
-        await asyncio.shield(slot.acquiring)
-        lease = slot.lease
-        if lease is not None:
-            ticket = lease.take(request_id, tier, zone, estimate, worst)
-            if ticket is not None:
-                return ticket
-            lease.close(send)
-            slot.lease = None
+        answer = slot.acquiring or _lease(policy, slot, estimate, worst, submit, send)
+        if answer is None:
+            return None
+        await asyncio.shield(answer)
+        ticket = slot.take(time.monotonic(), request_id, tier, zone, estimate, worst, send)
+        if ticket is not None:
+            return ticket
     return None
 
 
 def _granted(policy: QuotaPolicy, slot: _Slot, month: str, uid: str, estimate: int,
              worst: list[int], send: Send, future: asyncio.Future[Any]) -> None:
-    """Record the lease a lease admission answered (or, refused, let the policy go to Redis
-    request by request until the refusal's retry time)."""
+    """Record the lease a lease admission answered: the policy's lease, or the one taken ahead
+    while its lease still hands out. Refused, the policy goes to Redis request by request
+    until the refusal's retry time (what its lease holds is still handed out)."""
     slot.acquiring = None
     if future.cancelled() or future.exception() is not None:
         return
@@ -336,7 +386,12 @@ def _granted(policy: QuotaPolicy, slot: _Slot, month: str, uid: str, estimate: i
     lease = Lease(policy, month, uid, raw, estimate, worst,
                   now + (1000 - admitted_ms % 1000) / 1000 - DEADLINE_MARGIN_S)
     lease.timer = asyncio.get_running_loop().call_later(lease.deadline - now, lease.close, send)
-    slot.lease = lease
+    if slot.retired:
+        lease.close(send)
+    elif slot.lease is not None and slot.lease.open:
+        slot.ahead.append(lease)
+    else:
+        slot.lease = lease
 
 
 async def aclose(submit: Submit) -> int:

@@ -334,6 +334,12 @@ def _send(op: Op) -> None:
     _batcher().send(op)
 
 
+def _submit(op: Op) -> asyncio.Future[Any]:
+    """Queue an operation on the running loop's batcher; return the future of its answer (a
+    lease taken ahead, which no request waits for unless it needs it)."""
+    return _batcher().submit(op)
+
+
 async def _end_user_rule(policy: QuotaPolicy, rule: BudgetRule) -> BudgetRule:
     """Return an end user's rule with its seed: read from PostgreSQL only when Redis holds
     no spend for that end user this month (one EXISTS per request that names an end user of
@@ -357,7 +363,7 @@ async def aadmit(policy: QuotaPolicy, *, request_id: str, tier: str, zone: str,
         worst = budget_amounts(policy, tier=tier, zone=zone, prompt_tokens=prompt_tokens,
                                cached_tokens=0, completion_tokens=max_output, worst=True)
         ticket = lease.take(policy, request_id, tier, zone, prompt_tokens + max_output, worst,
-                            _send)
+                            _submit, _send)
         if ticket is not None:
             admission_observed("leased", time.perf_counter() - started)
             return ticket

@@ -368,3 +368,36 @@ def test_a_reloaded_policy_keeps_its_lease_unless_its_terms_changed():
     assert set(state["rate"].values()) == {(52, 52)}
     assert state["budget"] == {"spent": str(52 * ACTUAL), "reserved": "0"}
     assert state["reservations"] == []
+
+
+def test_a_steadily_busy_policy_takes_its_next_lease_ahead_and_never_waits_for_redis():
+    # given a busy policy (a burst took its first lease, sized for the burst's demand)
+    async def run():
+        policy = _policy()
+        try:
+            burst = await _burst(policy, 20)
+            before = _decisions()
+            # when it sends one request a millisecond for 1.3 s: past the end of a second
+            # (and of its first lease's requests, sized for less than this rate)
+            loop = asyncio.get_running_loop()
+            start, steady = loop.time(), []
+            while loop.time() - start < 1.3:
+                steady.append(await _admit(policy))
+                await asyncio.sleep(0.001)
+            decided = _delta(before)
+            await _settle(burst + steady)
+            await _quiesce()
+            return len(steady), decided, await _state(policy)
+        finally:
+            await _cleanup(policy)
+
+    n, decided, state = asyncio.run(run())
+    # then each of its next leases was taken before the one in use ended or ran out: not one
+    # request waited for Redis (on a loaded machine, a loop stalled past a lease's end may
+    # make one wait)
+    assert decided["leased"] >= n - 1 and sum(decided.values()) == n, (n, decided)
+    # and Redis ends as if each request came alone: counted once, spend exact, none reserved
+    total = 20 + n
+    assert {count for count, _seconds in state["rate"].values()} == {total}
+    assert state["budget"] == {"spent": str(total * ACTUAL), "reserved": "0"}
+    assert state["reservations"] == []
