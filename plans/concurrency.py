@@ -29,9 +29,11 @@ down to the starting size. So a process with many requests of one organization i
 serves nearly all of them from its pool (with a fixed 1/16, a process holding 64 of a 256
 limit still sent three in four to Redis, twice each), and a pool shrinks back once the burst
 has passed. Members are real members of the set, scored like any slot and renewed while the
-pool lives, so every process's requests and pools together never pass the limit: a pool's
-unused members only make the organization's other processes refuse a little early (at most
-one pool's worth each) when it is at its limit. A pool is given back after ``IDLE_S`` without
+pool lives, so every process's requests and pools together never pass the limit. A pool's
+unused members can make the organization look full to its other processes before its requests
+are: so a refusal marks the organization full for ``FULL_MS``, and a pool that sees the mark
+(looked for every ``CHECK_S`` while it has members free) is given back, so a retry after the
+refusal's ``retry-after`` finds those slots free. A pool is given back after ``IDLE_S`` without
 a request in flight, at once when the organization's limit changes (its members in use are
 then released one by one, as plain slots), when a renewal (every ``RENEW_S``) finds that Redis
 lost some of its members (a restart: the members in use are added back), and at shutdown; a
@@ -54,14 +56,15 @@ from redis.exceptions import NoScriptError
 
 from billing_platform.errors import RateLimited
 from billing_platform.redis_conn import get_pipelined
-from plans.admission.policy import inflight_key
+from plans.admission.policy import inflight_full_key, inflight_key
 from plans.demand import BUSY, Demand
 
 log = logging.getLogger(__name__)
 
-# KEYS: the org's in-flight set. ARGV: lease (ms), limit, member, pool name, pool members
-# wanted (granted as many as leave half the limit free). Return {slots held after the call
-# (negated when the limit refused this one), pool members added (named <pool name>:1..n)}.
+# KEYS: the org's in-flight set, its "full" mark. ARGV: lease (ms), limit, member, pool name,
+# pool members wanted (granted as many as leave half the limit free), how long a refusal marks
+# the organization full (ms). Return {slots held after the call (negated when the limit refused
+# this one), pool members added (named <pool name>:1..n)}.
 ACQUIRE_LUA = """
 local now = redis.call('TIME')
 local ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -69,6 +72,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
 local held = redis.call('ZCARD', KEYS[1])
 local limit = tonumber(ARGV[2])
 if held >= limit then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[6])
   return {-held, 0}
 end
 local expiry = ms + tonumber(ARGV[1])
@@ -111,6 +115,9 @@ return lost
 _shas: dict[str, str] = {}
 
 IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
+# A refusal at the limit marks the organization full for this long: pools that see the mark
+# (``_check``) give their unused slots back, so its next request need not be refused.
+FULL_MS = 2000
 # How often a live pool's members are renewed: well within their lease, and often enough that
 # a pool whose members Redis lost (a restart) is dropped soon (``_renew``).
 RENEW_S = 10.0
@@ -243,6 +250,8 @@ def _check(pool: _Pool) -> None:
         pool.members.difference_update(gone)
         _spawn(_remove(pool.org_id, gone))
     pool.low = len(pool.free)
+    if pool.free:
+        _spawn(_yield_if_full(pool))
     if now >= pool.renew_at:
         pool.renew_at = now + _renew_s()
         _spawn(_renew(pool))
@@ -264,6 +273,21 @@ async def _renew(pool: _Pool) -> None:
     if lost:
         log.warning("in-flight pool of organization %s: Redis no longer held %d of its slots "
                     "(restarted?); the pool is dropped", pool.org_id, lost)
+        await _give_back(pool)
+
+
+async def _yield_if_full(pool: _Pool) -> None:
+    """Give the pool back when a request of its organization was refused at the limit lately:
+    its unused slots may be what made the organization look full (its members in use are
+    released as plain slots as their requests end)."""
+    try:
+        full = await get_pipelined().execute("EXISTS", inflight_full_key(pool.org_id))
+    except redis.RedisError as exc:
+        log.debug("in-flight pool of organization %s: full mark not read (%r)", pool.org_id, exc)
+        return
+    if full and not pool.closed:
+        log.info("in-flight pool of organization %s given back: a request was refused at its "
+                 "limit", pool.org_id)
         await _give_back(pool)
 
 
@@ -305,8 +329,8 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
         name = f"pool_{uuid.uuid4().hex}"
         _asking.add(org_id)
     try:
-        raw = await _run(ACQUIRE_LUA, [inflight_key(org_id)],
-                         [_lease_ms(), limit, request_id, name, wanted])
+        raw = await _run(ACQUIRE_LUA, [inflight_key(org_id), inflight_full_key(org_id)],
+                         [_lease_ms(), limit, request_id, name, wanted, FULL_MS])
     except redis.RedisError as exc:
         log.warning("concurrency limit skipped for %s: Redis unavailable (%r)", request_id, exc)
         return None

@@ -125,6 +125,12 @@ def inflight_key(org_id: int) -> str:
     return f"{_tag(org_id)}:inflight"
 
 
+def inflight_full_key(org_id: int) -> str:
+    """Return the key that says a request of the organization was just refused at its limit of
+    requests in flight (``plans.concurrency``: pools give their unused slots back)."""
+    return f"{_tag(org_id)}:inflight:full"
+
+
 _month: tuple[float, float, str] = (0.0, 0.0, "")
 
 

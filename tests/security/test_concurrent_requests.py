@@ -5,8 +5,9 @@ are not touched by one at its limit, staff can give an organization a limit of i
 gateway that dies holding slots cannot lock an organization out: they lapse with their lease.
 The slots a busy organization's gateway processes take ahead (pools) keep all of that: they
 count, never let it past its limit, grow while all of them are in use and shrink back after,
-are renewed while held, given back when idle or when its limit changes, and dropped when Redis
-lost their slots (their streams then count again).
+are renewed while held, given back when idle, when its limit changes or when it is refused at
+its limit (their unused slots then serve its retries), and dropped when Redis lost their slots
+(their streams then count again).
 
 A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
 """
@@ -288,6 +289,40 @@ def test_a_lowered_limit_gives_a_pool_back_at_once(slow_gateway):
     first.abort()
     second.abort()
     wait_until(lambda: _held(org) == 0, timeout=10, what="every slot released")
+
+
+def test_a_pools_unused_slots_go_back_when_its_organization_is_refused_at_its_limit(
+        slow_gateway):
+    # given two gateway processes, and an organization busy on the first, which holds a pool
+    # there with one stream from it in flight (the pool back at its starting size: 2 slots, one
+    # of them unused)
+    first, second = slow_gateway(**POOLED), slow_gateway(**POOLED)
+    org, secret = _tenant()
+    _busy(first, secret)
+    held_open = Stream(first, secret, max_tokens=400, ignore_eos=True)
+    wait_until(lambda: _held(org) == 2, timeout=10, what="the pool back at its starting size")
+
+    # when it opens streams on the second process, retrying after each refusal's retry-after
+    streams: list[Stream] = []
+    refusals: list[httpx.Response] = []
+    deadline = time.monotonic() + 20
+    while len(streams) < 31 and time.monotonic() < deadline:
+        try:
+            streams.append(Stream(second, secret, max_tokens=400, ignore_eos=True))
+        except Refused as exc:
+            refusals.append(exc.response)
+            time.sleep(float(exc.response.headers["retry-after"]))
+
+    # then the first process's unused slot went back once a request was refused: the
+    # organization holds exactly its limit of requests in flight, and no more
+    assert len(streams) + 1 == 32, (len(streams), len(refusals))
+    assert _held(org) == 32
+    assert {r.json()["error"]["code"] for r in refusals} == {"too_many_concurrent_requests"}
+    with pytest.raises(Refused):
+        Stream(second, secret, max_tokens=400, ignore_eos=True)
+    for stream in [held_open, *streams]:
+        stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=15, what="every slot released")
 
 
 def _stream_on_a_pool(slow_gateway, *, lease_s: float) -> tuple[LiveGateway, object, str, Stream]:
