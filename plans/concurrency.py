@@ -5,11 +5,13 @@ Each request holds a slot from after authentication until its response has been 
 client went away (``gateway/asgi.py`` releases it; a stream holds it to its end). A slot is a
 member of the organization's sorted set (``admission.policy.inflight_key``) scored by when its
 lease lapses: one script drops lapsed slots, refuses when the organization already holds its
-limit, and adds the new one. A process that dies holding slots cannot leak them: they lapse
-after ``ORG_CONCURRENCY_LEASE_S``, longer than any request runs (reservations expire after 10
-minutes). A plain INCR/DECR counter with a TTL would not do: every request renews the TTL, so
-under steady traffic a crashed process's increments would never expire, and the organization
-would be refused for good.
+limit, and adds the new one. The process renews the slots it holds every ``RENEW_S`` (one
+script call per organization), adding back any the set lost: after a Redis restart, requests
+in flight count again within ``RENEW_S``, and a request may outlive the lease. A process that
+dies holding slots cannot leak them: they lapse after ``ORG_CONCURRENCY_LEASE_S``. A plain
+INCR/DECR counter with a TTL would not do: every request renews the TTL, so under steady
+traffic a crashed process's increments would never expire, and the organization would be
+refused for good.
 
 The limit is the organization's ``max_concurrent_requests`` (set by staff, carried in the
 cached key principal) or ``ORG_MAX_CONCURRENT_REQUESTS``. Redis unreachable: the request goes
@@ -118,8 +120,9 @@ IDLE_S = 1.0  # a pool with nothing in flight for this long is given back
 # A refusal at the limit marks the organization full for this long: pools that see the mark
 # (``_check``) give their unused slots back, so its next request need not be refused.
 FULL_MS = 2000
-# How often a live pool's members are renewed: well within their lease, and often enough that
-# a pool whose members Redis lost (a restart) is dropped soon (``_renew``).
+# How often the slots a process holds are renewed (a live pool's, and plain ones): well within
+# their lease, and often enough that slots Redis lost (a restart) count again soon, and a pool
+# that lost some is dropped soon (``_renew``, ``_renew_plain``).
 RENEW_S = 10.0
 CHECK_S = 0.5  # how often a pool is looked at (idle, spare members, due for renewal)
 
@@ -149,6 +152,10 @@ class Slot:
 
 
 _pools: dict[int, _Pool] = {}
+# Members of the plain slots (not a pool's) this process holds, per organization: renewed every
+# ``RENEW_S`` as a pool's members in use are, by one timer on the loop that took them.
+_plain: dict[int, set[str]] = {}
+_plain_timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 _demand: dict[int, Demand] = {}
 _tasks: set[asyncio.Task[None]] = set()  # pool give-backs and renewals under way
 _asking: set[int] = set()  # organizations a call is adding pool members for
@@ -291,6 +298,35 @@ async def _yield_if_full(pool: _Pool) -> None:
         await _give_back(pool)
 
 
+def _hold(org_id: int, member: str) -> None:
+    """Count a plain slot among those this process renews (the timer starts with the first)."""
+    global _plain_timer
+    _plain.setdefault(org_id, set()).add(member)
+    loop = asyncio.get_running_loop()
+    if _plain_timer is None or _plain_timer[0] is not loop:
+        _plain_timer = (loop, loop.call_later(_renew_s(), _renew_plain))
+
+
+def _renew_plain() -> None:
+    """Renew every plain slot this process holds: each lives another lease, and one the set
+    lost (a Redis restart) is added back, since its request is still in flight; otherwise a
+    restart let an organization pass its limit by what it had in flight until that ended."""
+    global _plain_timer
+    _plain_timer = None
+    for org_id, members in list(_plain.items()):
+        _spawn(_renew_held(org_id, list(members)))
+    if _plain:
+        loop = asyncio.get_running_loop()
+        _plain_timer = (loop, loop.call_later(_renew_s(), _renew_plain))
+
+
+async def _renew_held(org_id: int, members: list[str]) -> None:
+    try:
+        await _run(RENEW_LUA, [inflight_key(org_id)], [_lease_ms(), len(members), *members])
+    except redis.RedisError as exc:
+        log.warning("in-flight slots of organization %s not renewed (%r)", org_id, exc)
+
+
 async def _remove(org_id: int, members: list[str]) -> None:
     """Remove a pool's members from the organization's set (a failure: they lapse)."""
     try:
@@ -308,6 +344,8 @@ async def _give_back(pool: _Pool) -> None:
             del _pools[pool.org_id]
     free, pool.free = pool.free, []
     pool.members.difference_update(free)
+    for member in pool.members:  # in use: renewed as plain slots until their requests end
+        _hold(pool.org_id, member)
     if free:
         await _remove(pool.org_id, free)
 
@@ -346,6 +384,7 @@ async def aacquire(*, org_id: int, limit: int, request_id: str) -> Slot | None:
             code="too_many_concurrent_requests", headers={"retry-after": "1"})
     if added:
         _pooled(org_id, limit, name, added)
+    _hold(org_id, request_id)
     return Slot(org_id=org_id, member=request_id)
 
 
@@ -361,6 +400,11 @@ async def arelease(slot: Slot | None) -> None:
             pool.last_used = time.monotonic()
             return
         pool.members.discard(slot.member)
+    held = _plain.get(slot.org_id)
+    if held is not None:
+        held.discard(slot.member)
+        if not held:
+            del _plain[slot.org_id]
     try:
         await get_pipelined().execute("ZREM", inflight_key(slot.org_id), slot.member)
     except redis.RedisError as exc:

@@ -7,7 +7,7 @@ The slots a busy organization's gateway processes take ahead (pools) keep all of
 count, never let it past its limit, grow while all of them are in use and shrink back after,
 are renewed while held, given back when idle, when its limit changes or when it is refused at
 its limit (their unused slots then serve its retries), and dropped when Redis lost their slots
-(their streams then count again).
+(their streams then count again). A plain slot Redis lost counts again within a renewal too.
 
 A simulated engine that decodes 20 tokens a second keeps streams open long enough to look at.
 """
@@ -406,3 +406,25 @@ def test_a_pool_whose_slots_redis_lost_is_dropped_and_its_stream_counted_again(s
     stream.abort()
     second.abort()
     wait_until(lambda: _held(org) == 0, timeout=10, what="every slot released")
+
+
+def test_a_plain_slot_redis_lost_counts_again_within_a_renewal(slow_gateway):
+    # given an organization limited to one request in flight, with a stream open on a gateway
+    # whose slots are renewed every 2 s (a lease of 4 s)
+    gateway = slow_gateway(TOLLGATE_ORG_CONCURRENCY_LEASE_S="4")
+    org, secret = _tenant(max_concurrent_requests=1)
+    stream = Stream(gateway, secret, max_tokens=400, ignore_eos=True)
+    assert _held(org) == 1
+
+    # when Redis loses the organization's set (as a restart without persistence does)
+    get_redis().delete(inflight_key(org.id))
+
+    # then the stream's slot counts again at the next renewal, and outlives its lease: a
+    # second request is refused while the stream runs, past the first lease's end
+    wait_until(lambda: _held(org) == 1, timeout=10, what="the stream's slot added back")
+    time.sleep(4)
+    refused = _ask(gateway, secret)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "too_many_concurrent_requests"
+    stream.abort()
+    wait_until(lambda: _held(org) == 0, timeout=10, what="the slot released")
