@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 import uuid
 import weakref
@@ -250,17 +251,22 @@ class _Slot:
                 held.close(send)
         self.lease, self.ahead = None, []
 
-    def short(self, now: float) -> bool:
-        """Return whether the policy should take its next lease now, while it still holds one:
-        the last it holds ends within ``AHEAD_S``, or its lease runs out before its deadline
-        at the rate its demand says (and none was taken ahead yet)."""
+    def short(self, now: float) -> float:
+        """Return how many seconds of its demand the policy's next lease should cover when it
+        should take it now, while it still holds one (else 0): a second when the last lease
+        it holds ends within ``AHEAD_S`` (the next counts in the next second), what is left of
+        this one when its lease runs out before its deadline at the rate its demand says (and
+        none was taken ahead yet)."""
         lease = self.lease
         if lease is None or self.acquiring is not None or len(self.ahead) >= AHEAD_MAX:
-            return False
+            return 0.0
         last = self.ahead[-1] if self.ahead else lease
-        return now >= last.deadline - AHEAD_S or (
-            not self.ahead and lease.requests * WINDOW_S < self.demand.level * (lease.deadline
-                                                                              - now))
+        if now >= last.deadline - AHEAD_S:
+            return 1.0
+        left = lease.deadline - now
+        if not self.ahead and lease.requests * WINDOW_S < self.demand.level * left:
+            return left + DEADLINE_MARGIN_S
+        return 0.0
 
     def take(self, now: float, request_id: str, tier: str, zone: str, estimate: int,
              worst: Sequence[int], send: Send) -> Ticket | None:
@@ -327,21 +333,24 @@ def take(policy: QuotaPolicy, request_id: str, tier: str, zone: str, estimate: i
     if slot.lease is None:
         return None
     ticket = slot.take(now, request_id, tier, zone, estimate, worst, send)
-    if slot.short(now):
-        _lease(policy, slot, estimate, worst, submit, send)
+    seconds = slot.short(now)
+    if seconds:
+        _lease(policy, slot, estimate, worst, submit, send, seconds=seconds)
     return ticket
 
 
 def _lease(policy: QuotaPolicy, slot: _Slot, estimate: int, worst: list[int],
-           submit: Submit, send: Send) -> asyncio.Future[Any] | None:
-    """Ask Redis for a lease for a busy policy, sized by its demand; return the answer's
-    future (also ``slot.acquiring``), or None when it is not busy, keeps quiet after a
-    refusal, or was reloaded with other terms."""
+           submit: Submit, send: Send, *, seconds: float = 1.0
+           ) -> asyncio.Future[Any] | None:
+    """Ask Redis for a lease for a busy policy, sized for ``seconds`` of its demand (at least
+    ``LEASE_MIN``, at most ``LEASE_MAX``); return the answer's future (also
+    ``slot.acquiring``), or None when it is not busy, keeps quiet after a refusal, or was
+    reloaded with other terms."""
     demand = slot.demand.level
     if demand < BUSY or time.monotonic() < slot.quiet_until or slot.retired:
         return None
     month, uid = month_tag(), f"lease_{uuid.uuid4().hex}"
-    want = min(LEASE_MAX, demand * round(1 / WINDOW_S))
+    want = min(LEASE_MAX, max(LEASE_MIN, math.ceil(demand * seconds / WINDOW_S)))
     future = submit(admit_frame(policy, month, "l").op(bulk(uid) + ints([estimate, want,
                                                                          *worst])))
     # The lease is recorded by the answer's callback, first of all that wait for it, whether
