@@ -27,7 +27,10 @@ included), Redis, the consumers and the producer's sending (``machine`` is every
 time, the producer's set-up included), and ``copy_limit_cpu_us_per_row`` is the same for the
 COPY limit's best try. ``postgres_cpu_per_copy_limit`` is PostgreSQL's CPU an event over its
 CPU a row in the plain COPY: on a machine whose cores are all busy, the ratio cannot pass its
-inverse even if the consumers cost nothing.
+inverse even if the consumers cost nothing. ``events_per_copy_limit_ceiling`` is the ratio the
+run would reach with every core busy if the consumers cost nothing and PostgreSQL did no more
+per event than the plain COPY of its row: the stream's Redis work and the producer's sending
+are all that is left, and they alone bound it.
 
 Prints one JSON line: ``{"events", "events_per_s", "copy_limit_rows_per_s",
 "events_per_copy_limit", "lag_p50_s", "lag_p99_s", "cpu_us_per_event", ...}``.
@@ -453,6 +456,11 @@ def bench(args: argparse.Namespace) -> dict:
                     "WHERE organization_id = ANY(%s)", [org_ids])
         rollup_requests = int(cur.fetchone()[0])
     expected = args.events + (args.lag_events or 0)
+    cpu, copy_cpu = load["cpu_us_per_event"], limit["copy_limit_cpu_us_per_row"]
+    # What stays on the machine's cores per event however ingest is built: the stream's Redis
+    # work (the producer's XADDs included) and the producer's sending, plus PostgreSQL doing no
+    # more than the plain COPY of the row (no key claimed, no index, no rating, no rollup)
+    floor_us = cpu["redis"] + cpu["producer"] + copy_cpu["postgres"]
     return {
         "events": load["events"],
         "events_per_s": load["events_per_s"],
@@ -477,6 +485,11 @@ def bench(args: argparse.Namespace) -> dict:
             round(load["cpu_us_per_event"]["postgres"]
                   / limit["copy_limit_cpu_us_per_row"]["postgres"], 2)
             if limit["copy_limit_cpu_us_per_row"]["postgres"] else None),
+        # the ratio this run would reach with consumers that cost nothing and a PostgreSQL
+        # that only COPYs each event, all cores busy: what the machine leaves the design
+        "events_per_copy_limit_ceiling": (
+            round(os.cpu_count() * 1e6 / floor_us / limit["copy_limit_rows_per_s"], 3)
+            if floor_us and os.cpu_count() else None),
         "producer_events_per_s": load["producer_events_per_s"],
         "batches": load["batches"],
         "batch_size": args.batch_size or conf.batch_size(),
