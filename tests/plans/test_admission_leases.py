@@ -392,10 +392,11 @@ def test_a_steadily_busy_policy_takes_its_next_lease_ahead_and_never_waits_for_r
             await _cleanup(policy)
 
     n, decided, state = asyncio.run(run())
-    # then each of its next leases was taken before the one in use ended or ran out: not one
+    # then each of its next leases was taken before the one in use ended or ran out: no
     # request waited for Redis (on a loaded machine, a loop stalled past a lease's end may
-    # make one wait)
-    assert decided["leased"] >= n - 1 and sum(decided.values()) == n, (n, decided)
+    # make one wait at each of the two seconds' ends 1.3 s can span; the tree before made 6
+    # of ~1,100 wait)
+    assert decided["admitted"] <= 2 and sum(decided.values()) == n, (n, decided)
     # and Redis ends as if each request came alone: counted once, spend exact, none reserved
     total = 20 + n
     assert {count for count, _seconds in state["rate"].values()} == {total}
