@@ -244,7 +244,8 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
 def _check(pool: _Pool) -> None:
     """Give an idle pool back; give back the members of a live one that no request needed
     since it was last looked at (down to its starting size); renew the others before they
-    would lapse."""
+    would lapse; look for the organization's full mark while members are free
+    (``_yield_if_full``)."""
     if pool.closed:
         return
     now = time.monotonic()
@@ -300,11 +301,15 @@ async def _yield_if_full(pool: _Pool) -> None:
 
 def _hold(org_id: int, member: str) -> None:
     """Count a plain slot among those this process renews (the timer starts with the first)."""
-    global _plain_timer
     _plain.setdefault(org_id, set()).add(member)
+    if _plain_timer is None or _plain_timer[0] is not asyncio.get_running_loop():
+        _arm_plain_renewal()
+
+
+def _arm_plain_renewal() -> None:
+    global _plain_timer
     loop = asyncio.get_running_loop()
-    if _plain_timer is None or _plain_timer[0] is not loop:
-        _plain_timer = (loop, loop.call_later(_renew_s(), _renew_plain))
+    _plain_timer = (loop, loop.call_later(_renew_s(), _renew_plain))
 
 
 def _renew_plain() -> None:
@@ -316,8 +321,7 @@ def _renew_plain() -> None:
     for org_id, members in list(_plain.items()):
         _spawn(_renew_held(org_id, list(members)))
     if _plain:
-        loop = asyncio.get_running_loop()
-        _plain_timer = (loop, loop.call_later(_renew_s(), _renew_plain))
+        _arm_plain_renewal()
 
 
 async def _renew_held(org_id: int, members: list[str]) -> None:
